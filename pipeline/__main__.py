@@ -1,0 +1,3 @@
+from pipeline.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""`specpipe` command line: each subcommand lives beside the code it drives and registers itself here."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from pipeline.errors import USER_ERROR_EXIT_CODE, UserError
+
+# Modules exposing `register(subparsers)`; each sets `func(args) -> int | None` on its parsers.
+COMMAND_MODULES = (
+    "pipeline.convert.cli",  # convert
+    "pipeline.engine.build",  # build
+    "pipeline.engine.cli",  # generate, eval-acceptance
+    "pipeline.triton.cli",  # triton-repo, serve
+    "pipeline.client.cli",  # client, verify
+    "pipeline.bench.cli",  # bench, compare
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specpipe", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a real missing dependency inside an existing module
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"specpipe {args.command}: error: {exc}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    except KeyboardInterrupt:
+        return 130

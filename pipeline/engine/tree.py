@@ -1,0 +1,166 @@
+"""Token trees for speculative verification: choices, presets, and the buffers built from them.
+
+A tree is stored as `parents` (parent node index, -1 for the root) in topological order with
+non-decreasing depth. Node 0 is the root: the last emitted token, whose KV is not yet cached.
+Everything the verifier needs (attention mask, position offsets, retrieval paths) derives from
+`parents`, so static trees (from choices) and dynamic trees (EAGLE-2) share one code path.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import UserError
+
+Choices = list[list[int]]
+
+# The default tree of Medusa and TensorRT-LLM (63 nodes, depth 4): each path lists the top-k rank
+# taken at each depth. Order is by estimated acceptance probability.
+MC_SIM_7B_63: Choices = [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0],
+    [0, 5], [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0],
+    [0, 9], [8], [9], [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5],
+    [0, 0, 0, 0], [0, 1, 1], [0, 0, 6], [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9],
+    [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2], [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0],
+    [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0],
+]
+
+WIDE_SHALLOW_WIDTH = 8
+
+
+def chain(depth: int) -> Choices:
+    """A single path of `depth` top-1 tokens (what a draft model or n-gram proposes)."""
+    return [[0] * d for d in range(1, depth + 1)]
+
+
+PRESETS: dict[str, Choices] = {
+    "mc_sim_7b_63": MC_SIM_7B_63,
+    # The most probable prefixes of the default tree; the list is ordered so every prefix is closed.
+    "top16": MC_SIM_7B_63[:16],
+    "top32": MC_SIM_7B_63[:32],
+    "wide8": [[rank] for rank in range(WIDE_SHALLOW_WIDTH)],
+    "wide8x2": [[rank] for rank in range(WIDE_SHALLOW_WIDTH)] + [[rank, 0] for rank in range(WIDE_SHALLOW_WIDTH)],
+    "chain4": chain(4),
+}
+
+
+def parse_choices(spec: str | Choices) -> Choices:
+    """Choices from a preset name, `chain:N`, a JSON/Python literal, Triton's brace form, or a file."""
+    if not isinstance(spec, str):
+        return [list(map(int, path)) for path in spec]
+    text = spec.strip()
+    if text in PRESETS:
+        return [list(p) for p in PRESETS[text]]
+    if text.startswith("chain:"):
+        try:
+            return chain(int(text.split(":", 1)[1]))
+        except ValueError:
+            raise UserError(f"tree choices {spec!r}: chain length must be an integer, e.g. chain:4") from None
+    if Path(text).is_file():
+        text = Path(text).read_text()
+    if text.lstrip().startswith("{"):  # Triton's form: {0}, {0, 0}, {1}
+        text = "[" + text.replace("{", "[").replace("}", "]") + "]"
+    try:
+        value = ast.literal_eval(text)
+        return [[int(x) for x in path] for path in value]
+    except (ValueError, SyntaxError, TypeError):
+        raise UserError(
+            f"tree choices {spec!r}: not a preset ({', '.join(PRESETS)}), chain:N, or a list of paths like [[0], [0, 0], [1]]"
+        ) from None
+
+
+def validate_choices(choices: Choices, max_depth: int | None = None, max_draft_len: int | None = None,
+                     what: str = "choices") -> None:
+    """Refuse trees the verifier cannot lay out: empty, duplicate or non-prefix-closed paths, too deep or too big."""
+    if not choices:
+        raise UserError(f"{what}: the tree is empty; give at least one path such as [[0]]")
+    seen = {tuple(p) for p in choices}
+    if len(seen) != len(choices):
+        raise UserError(f"{what}: duplicate paths; each path may appear once")
+    for path in choices:
+        if not path or any(r < 0 for r in path):
+            raise UserError(f"{what}: path {path} is empty or has a negative rank; ranks are top-k indices >= 0")
+        if len(path) > 1 and tuple(path[:-1]) not in seen:
+            raise UserError(f"{what}: path {path} has no parent {path[:-1]}; every prefix of a path must be in the tree")
+    depth = max(len(p) for p in choices)
+    if max_depth is not None and depth > max_depth:
+        raise UserError(f"{what}: depth {depth} exceeds {max_depth} (the number of draft heads/layers); use a shallower tree")
+    if max_draft_len is not None and len(choices) > max_draft_len:
+        raise UserError(f"{what}: {len(choices)} nodes exceed max_draft_len {max_draft_len}; use a smaller tree or raise --max-draft-len")
+
+
+def choices_to_triton(choices: Choices) -> str:
+    """The brace form the TensorRT-LLM Triton backend parses: `{0}, {0, 0}, {1}`."""
+    return ", ".join("{" + ", ".join(map(str, p)) + "}" for p in choices)
+
+
+def choices_to_json(choices: Choices) -> str:
+    return json.dumps(choices)
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    """Device buffers of one tree shape; static trees build these once per engine."""
+
+    parents: torch.Tensor  # [T] long, -1 for the root
+    depths: torch.Tensor  # [T] long: position offset of each node from the root
+    ranks: torch.Tensor  # [T] long: top-k rank of each node under its parent (0 for the root)
+    mask: torch.Tensor  # [T, T] bool: mask[i, j] = node j is node i or one of its ancestors
+    retrieve_paths: torch.Tensor  # [leaves, max_depth + 1] long node indices root..leaf, -1 padded
+    max_depth: int
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.shape[0]
+
+    def to(self, device: torch.device | str) -> "TreeBuffers":
+        return TreeBuffers(self.parents.to(device), self.depths.to(device), self.ranks.to(device),
+                           self.mask.to(device), self.retrieve_paths.to(device), self.max_depth)
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """mask[i, j] = j is i or an ancestor of i; `max_depth` gather steps, no host sync."""
+    n = parents.shape[-1]
+    idx = torch.arange(n, device=parents.device)
+    mask = idx[:, None] == idx[None, :]
+    cur = idx
+    for _ in range(max_depth):
+        cur = torch.where(cur >= 0, parents[cur.clamp(min=0)], cur)
+        mask |= (cur[:, None] == idx[None, :]) & (cur[:, None] >= 0)
+    return mask
+
+
+def build_tree(choices: Choices) -> TreeBuffers:
+    """Lay choices out as a tree: root first, then paths sorted by (depth, ranks) as Medusa does."""
+    ordered = sorted((tuple(p) for p in choices), key=lambda p: (len(p), p))
+    index = {(): 0}
+    parents, depths, ranks = [-1], [0], [0]
+    for path in ordered:
+        index[path] = len(parents)
+        parents.append(index[path[:-1]])
+        depths.append(len(path))
+        ranks.append(path[-1])
+    has_child = {index[p[:-1]] for p in ordered}
+    leaves = [i for i in range(len(parents)) if i not in has_child]
+    max_depth = max(depths)
+    paths = []
+    for leaf in leaves:
+        path, node = [], leaf
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        paths.append(path[::-1] + [-1] * (max_depth + 1 - len(path)))
+    parents_t = torch.tensor(parents, dtype=torch.long)
+    return TreeBuffers(
+        parents=parents_t,
+        depths=torch.tensor(depths, dtype=torch.long),
+        ranks=torch.tensor(ranks, dtype=torch.long),
+        mask=ancestor_mask(parents_t, max_depth),
+        retrieve_paths=torch.tensor(paths, dtype=torch.long),
+        max_depth=max_depth,
+    )
