@@ -18,6 +18,7 @@ from typing import Any
 from pipeline.errors import UserError
 
 SPEC_MODES = ("none", "medusa", "eagle", "eagle3", "draft_model", "ngram")
+ACCEPTANCE_RULES = ("lossless", "typical")
 SPECPIPE_FILE = "specpipe.json"
 TOKENIZER_DIR = "tokenizer"
 DRAFT_DIR = "draft"
@@ -61,11 +62,16 @@ class SpecConfig:
     dynamic_tree: DynamicTreeConfig | None = None  # eagle / eagle3 with EAGLE-2 trees
     num_medusa_heads: int = 0
     ngram: NgramConfig | None = None
+    # "lossless": speculative sampling that keeps the target's distribution (greedy: exact).
+    # "typical": Medusa typical acceptance for temperature > 0; faster, NOT lossless.
+    acceptance: str = "lossless"
     typical_acceptance: TypicalAcceptance = field(default_factory=TypicalAcceptance)
 
     def __post_init__(self) -> None:
         if self.mode not in SPEC_MODES:
             raise UserError(f"speculative mode {self.mode!r}: unknown; choose one of {', '.join(SPEC_MODES)}")
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise UserError(f"acceptance {self.acceptance!r}: unknown; choose one of {', '.join(ACCEPTANCE_RULES)}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
