@@ -1,0 +1,1 @@
+"""Clients of the Triton server: requests with timings, and the output verifier."""

@@ -1,0 +1,1 @@
+"""Triton serving: model repository generation, Python-backend models and the tritonserver launcher."""

@@ -1,0 +1,86 @@
+"""`specpipe triton-repo` (write a model repository) and `specpipe serve` (run tritonserver on it)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import signal
+import sys
+from pathlib import Path
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from pipeline.errors import UserError
+from pipeline.triton.repo import ENSEMBLE, PREPROCESSING, write_repository
+from pipeline.triton.server import LOCALHOST, Ports, TritonServer
+
+DEFAULT_REPO = "triton_repo"
+OPENAI_FRONT_MODULE = "pipeline.openai_front"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    repo = sub.add_parser("triton-repo", help="write a Triton model repository for an engine directory")
+    repo.add_argument("--engine", required=True, help="engine directory (from `specpipe build`)")
+    repo.add_argument("--output", default=DEFAULT_REPO, help=f"repository folder to write (default {DEFAULT_REPO})")
+    repo.add_argument("--device", default="cpu", help="device of the portable engine model (cpu, cuda)")
+    repo.set_defaults(func=run_triton_repo)
+
+    serve = sub.add_parser("serve", help="run tritonserver on a model repository until Ctrl-C")
+    serve.add_argument("--repo", default=DEFAULT_REPO, help=f"model repository (default {DEFAULT_REPO})")
+    defaults = Ports()
+    serve.add_argument("--http-port", type=int, default=defaults.http)
+    serve.add_argument("--grpc-port", type=int, default=defaults.grpc)
+    serve.add_argument("--metrics-port", type=int, default=defaults.metrics)
+    serve.add_argument("--openai-port", type=int, help="also serve the OpenAI-compatible API on this port")
+    serve.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    serve.set_defaults(func=run_serve)
+
+
+def run_triton_repo(args: argparse.Namespace) -> int:
+    out = write_repository(args.engine, args.output, args.device)
+    print(f"wrote Triton model repository {out} (models: {', '.join(sorted(p.name for p in out.iterdir()))})")
+    return 0
+
+
+def repo_tokenizer_dir(repo: Path) -> Path:
+    """The tokenizer the repository's preprocessing model loads."""
+    config_file = repo / PREPROCESSING / "config.pbtxt"
+    if not config_file.is_file():
+        raise UserError(f"{config_file}: missing; regenerate the repository with `specpipe triton-repo`")
+    config = text_format.Parse(config_file.read_text(), mc.ModelConfig())
+    return Path(config.parameters["tokenizer_dir"].string_value)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    repo = Path(args.repo)
+    openai_serve = None
+    if args.openai_port is not None:
+        try:
+            openai_serve = importlib.import_module(OPENAI_FRONT_MODULE).serve
+        except ModuleNotFoundError as exc:
+            if exc.name != OPENAI_FRONT_MODULE:
+                raise
+            raise UserError(f"--openai-port: module {OPENAI_FRONT_MODULE} is not available in this checkout; "
+                            "serve without --openai-port") from None
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the server like Ctrl-C does
+    ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
+    try:
+        with TritonServer(repo, ports, log_verbose=args.log_verbose) as server:
+            print(json.dumps({"http": f"http://{server.http_url}", "grpc": server.grpc_url,
+                              "metrics": server.metrics_url}), file=sys.stderr, flush=True)
+            if openai_serve is not None:
+                print(f"OpenAI API on http://{LOCALHOST}:{args.openai_port}/v1", file=sys.stderr, flush=True)
+                openai_serve(server.grpc_url, LOCALHOST, args.openai_port, ENSEMBLE, repo_tokenizer_dir(repo))
+            else:
+                code = server.wait()
+                if code:
+                    raise UserError(f"tritonserver exited with code {code}; its last log lines: {server.tail_text()}")
+    except KeyboardInterrupt:
+        print("stopped tritonserver", file=sys.stderr)
+    return 0

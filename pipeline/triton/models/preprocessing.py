@@ -1,0 +1,101 @@
+"""Triton Python model `preprocessing`: text -> token ids, stop/bad words -> the [2, -1] id layout.
+
+Self-contained (numpy, transformers, Triton's pb_utils) so it also runs in the NGC TensorRT-LLM
+container, where specpipe is not installed. Tokenizes exactly like `tokenizer(text).input_ids`.
+"""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from transformers import AutoTokenizer
+
+WORDS_PAD = -1  # pads the id and offset rows of a words list, as the C++ backend expects
+
+
+def words_to_ids(tokenizer, words):
+    """[2, L] int32: row 0 the concatenated ids of all words, row 1 their end offsets, -1 padded."""
+    ids, offsets = [], []
+    for word in words:
+        word_ids = tokenizer.encode(word, add_special_tokens=False)
+        if word_ids:
+            ids.extend(word_ids)
+            offsets.append(len(ids))
+    width = max(len(ids), 1)
+    out = np.full((2, width), WORDS_PAD, dtype=np.int32)
+    out[0, :len(ids)] = ids
+    out[1, :len(offsets)] = offsets
+    if not ids:
+        out[0, 0] = 0  # an empty list: one dummy id with no offset, so nothing is ever matched
+    return out
+
+
+def decode_utf8(value, what):
+    if isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} is not valid UTF-8 (byte {exc.start}); send UTF-8 text") from None
+
+
+def pad_rows(rows, fill):
+    width = max((r.shape[-1] for r in rows), default=1)
+    return np.stack([np.pad(r, [(0, 0)] * (r.ndim - 1) + [(0, width - r.shape[-1])], constant_values=fill)
+                     for r in rows])
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = json.loads(args["model_config"])["parameters"]
+        tokenizer_dir = params["tokenizer_dir"]["string_value"]
+        self.add_special_tokens = params["add_special_tokens"]["string_value"].lower() in ("true", "1")
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.end_id = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = self.end_id if pad is None else pad
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                responses.append(pb_utils.InferenceResponse(output_tensors=self._preprocess(request)))
+            except ValueError as exc:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"preprocessing: {exc}")))
+        return responses
+
+    def _optional(self, request, name):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    def _words(self, request, name, batch):
+        words = self._optional(request, name)
+        if words is None:
+            return [[] for _ in range(batch)]
+        return [[decode_utf8(w, name) for w in row.reshape(-1) if len(w)] for row in words.reshape(batch, -1)]
+
+    def _ids_or_default(self, request, name, default, batch):
+        value = self._optional(request, name)
+        if value is None:
+            return np.full((batch, 1), default, dtype=np.int32)
+        return value.reshape(batch, 1).astype(np.int32)
+
+    def _preprocess(self, request):
+        query = self._optional(request, "QUERY")
+        batch = query.shape[0]
+        texts = [decode_utf8(q, "text_input") for q in query.reshape(batch, -1)[:, 0]]
+        ids = [np.array(self.tokenizer(t, add_special_tokens=self.add_special_tokens).input_ids, dtype=np.int32)
+               for t in texts]
+        lengths = np.array([[len(x)] for x in ids], dtype=np.int32)
+        stop = [words_to_ids(self.tokenizer, w) for w in self._words(request, "STOP_WORDS_DICT", batch)]
+        bad = [words_to_ids(self.tokenizer, w) for w in self._words(request, "BAD_WORDS_DICT", batch)]
+        output_len = self._optional(request, "REQUEST_OUTPUT_LEN").reshape(batch, -1).astype(np.int32)
+        return [
+            pb_utils.Tensor("INPUT_ID", pad_rows(ids, self.pad_id).astype(np.int32)),
+            pb_utils.Tensor("REQUEST_INPUT_LEN", lengths),
+            pb_utils.Tensor("STOP_WORDS_IDS", pad_rows(stop, WORDS_PAD).astype(np.int32)),
+            pb_utils.Tensor("BAD_WORDS_IDS", pad_rows(bad, WORDS_PAD).astype(np.int32)),
+            pb_utils.Tensor("REQUEST_OUTPUT_LEN", output_len),
+            pb_utils.Tensor("OUT_END_ID", self._ids_or_default(request, "END_ID", self.end_id, batch)),
+            pb_utils.Tensor("OUT_PAD_ID", self._ids_or_default(request, "PAD_ID", self.pad_id, batch)),
+        ]

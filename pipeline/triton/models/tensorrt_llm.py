@@ -1,0 +1,207 @@
+"""Triton Python model `tensorrt_llm` for a portable engine: same tensors as the C++ tensorrtllm backend.
+
+Decoupled: each request runs `Engine.stream` in its own worker thread, so `execute` returns at once
+and the server keeps accepting requests. Streaming requests get one response per chunk carrying only
+the new tokens; other requests get one response with the whole sequence. Every request ends with the
+final flag. A request the engine refuses (`RequestError`) gets a TritonError; the server keeps serving.
+"""
+
+import json
+import threading
+import time
+import traceback
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from pipeline.engine.runner import Engine, RequestError, SamplingParams
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+REPLACEMENT_CHAR = "\ufffd"  # what a token sequence ending inside a UTF-8 character decodes to
+# Inputs the portable engine does not implement, with the value that means "off".
+UNSUPPORTED_SCALARS = {
+    "beam_width": 1, "num_return_sequences": 1, "return_log_probs": False, "return_context_logits": False,
+    "return_generation_logits": False, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+    "frequency_penalty": 0.0, "min_tokens": 0,
+}
+UNSUPPORTED_LISTS = ("draft_input_ids", "draft_logits", "embedding_bias")
+# (input, metric name, description) of the acceptance counters exported on the metrics port.
+COUNTERS = (
+    ("requests", "specpipe_requests_total", "Requests completed by the portable engine"),
+    ("generated", "specpipe_generated_tokens_total", "Tokens generated"),
+    ("steps", "specpipe_decode_steps_total", "Target-model decoding steps (one verification per step)"),
+    ("drafted", "specpipe_draft_tokens_total", "Draft tokens proposed to the target model"),
+    ("accepted", "specpipe_accepted_draft_tokens_total", "Draft tokens the target model accepted"),
+)
+
+
+def _input(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _scalar(request, name, default):
+    value = _input(request, name)
+    if value is None or value.size == 0:
+        return default
+    if value.size != 1:
+        raise RequestError(f"input {name!r} must hold one value per request, got shape {list(value.shape)}")
+    return value.reshape(-1)[0].item()
+
+
+def _words_from_ids(tokenizer, words_list):
+    """Text of each word in a [2, L] (ids, end offsets) list, the inverse of preprocessing's layout."""
+    if words_list is None or words_list.size == 0:
+        return ()
+    ids, offsets = words_list.reshape(2, -1)
+    words, start = [], 0
+    for end in offsets:
+        if end < 0:
+            break
+        words.append(tokenizer.decode(ids[start:end].tolist()))
+        start = int(end)
+    return tuple(words)
+
+
+def _tensor(name, values, dtype):
+    return pb_utils.Tensor(name, np.array(values, dtype=dtype).reshape(1, -1))
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config["parameters"].items()}
+        self.engine = Engine.from_dir(params["engine_dir"], device=params["device"])
+        self.exclude_input_default = params["exclude_input_in_output"].lower() in ("true", "1")
+        self.workers = set()
+        self.workers_lock = threading.Lock()
+        labels = {"model": args["model_name"], "spec_mode": self.engine.spec.mode}
+        self.families = []
+        self.counters = {}
+        for key, name, description in COUNTERS:
+            family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.COUNTER)
+            self.families.append(family)
+            self.counters[key] = family.Metric(labels=labels)
+
+    def execute(self, requests):
+        for request in requests:
+            worker = threading.Thread(target=self._serve, args=(request, time.time_ns()), daemon=True)
+            with self.workers_lock:
+                self.workers.add(worker)
+            worker.start()
+        return None
+
+    def finalize(self):
+        with self.workers_lock:
+            workers = list(self.workers)
+        for worker in workers:
+            worker.join()
+
+    def _serve(self, request, arrival_ns):
+        sender = request.get_response_sender()
+        try:
+            self._generate(request, sender, arrival_ns)
+        except RequestError as exc:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"tensorrt_llm: {exc}")), flags=FINAL)
+        except Exception as exc:  # a bug must still end the request; the server keeps serving others
+            traceback.print_exc()
+            sender.send(pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"tensorrt_llm: internal error: {type(exc).__name__}: {exc}")), flags=FINAL)
+        finally:
+            with self.workers_lock:
+                self.workers.discard(threading.current_thread())
+
+    def _parse(self, request):
+        input_ids = _input(request, "input_ids")
+        if input_ids is None:
+            raise RequestError("input 'input_ids' is missing; send the prompt's token ids")
+        if input_ids.ndim == 2 and input_ids.shape[0] != 1:
+            raise RequestError(f"batch of {input_ids.shape[0]} in one request; send one prompt per request")
+        length = int(_scalar(request, "input_lengths", input_ids.size))
+        if not 0 <= length <= input_ids.size:
+            raise RequestError(f"input_lengths {length} does not fit input_ids of {input_ids.size} tokens")
+        for name, off in UNSUPPORTED_SCALARS.items():
+            if _scalar(request, name, off) != off:
+                raise RequestError(f"input {name!r} is not supported by the portable engine; leave it unset")
+        for name in UNSUPPORTED_LISTS:
+            value = _input(request, name)
+            if value is not None and value.size:
+                raise RequestError(f"input {name!r} is not supported by the portable engine; leave it unset")
+        if _words_from_ids(self.engine.tokenizer, _input(request, "bad_words_list")):
+            raise RequestError("bad_words are not supported by the portable engine; leave them empty")
+        seed = _scalar(request, "seed", None)
+        params = SamplingParams(
+            max_tokens=int(_scalar(request, "request_output_len", 0)),
+            temperature=float(_scalar(request, "temperature", 0.0)),
+            top_k=int(_scalar(request, "runtime_top_k", 0)),
+            top_p=float(_scalar(request, "runtime_top_p", 1.0)),
+            seed=None if seed is None else int(seed),
+            end_id=_scalar(request, "end_id", None),
+            stop_words=_words_from_ids(self.engine.tokenizer, _input(request, "stop_words_list")),
+        )
+        return input_ids.reshape(-1)[:length].tolist(), params
+
+    def _generate(self, request, sender, arrival_ns):
+        prompt, params = self._parse(request)
+        streaming = bool(_scalar(request, "streaming", False))
+        exclude_input = bool(_scalar(request, "exclude_input_in_output", self.exclude_input_default))
+        want_perf = bool(_scalar(request, "return_perf_metrics", False))
+        want_counts = (bool(_scalar(request, "return_num_input_tokens", False)),
+                       bool(_scalar(request, "return_num_output_tokens", False)))
+        self.engine.validate(prompt, params)
+        scheduled_ns = None  # the engine runs one request at a time (its KV cache); others wait in stream()
+        first_token_ns = None
+        pending = []  # streamed tokens held back until they end on a whole UTF-8 character
+        for chunk in self.engine.stream(prompt, params):
+            scheduled_ns = scheduled_ns or time.time_ns()
+            if first_token_ns is None and chunk.token_ids:
+                first_token_ns = time.time_ns()
+            if request.is_cancelled():
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("tensorrt_llm: cancelled")),
+                            flags=FINAL)
+                return
+            pending.extend(chunk.token_ids)
+            if streaming and pending and not chunk.finished and self._ends_cleanly(pending):
+                sender.send(pb_utils.InferenceResponse(output_tensors=self._tokens(pending)))
+                pending = []
+        result = chunk.result
+        last_token_ns = time.time_ns()
+        self._count(result)
+        if streaming:
+            ids = pending
+        else:
+            ids = result.token_ids if exclude_input else list(result.prompt_token_ids) + list(result.token_ids)
+        outputs = self._tokens(ids)
+        if want_perf:
+            stats = result.stats
+            outputs += [
+                _tensor("kv_cache_alloc_new_blocks", [0], np.int32),  # the portable engine has no paged KV blocks
+                _tensor("kv_cache_reused_blocks", [0], np.int32),
+                _tensor("kv_cache_alloc_total_blocks", [0], np.int32),
+                _tensor("arrival_time_ns", [arrival_ns], np.int64),
+                _tensor("first_scheduled_time_ns", [scheduled_ns], np.int64),
+                _tensor("first_token_time_ns", [first_token_ns or last_token_ns], np.int64),
+                _tensor("last_token_time_ns", [last_token_ns], np.int64),
+                _tensor("acceptance_rate", [stats.acceptance_rate], np.float32),
+                _tensor("total_accepted_draft_tokens", [stats.accepted_tokens], np.int32),
+                _tensor("total_draft_tokens", [stats.draft_tokens], np.int32),
+            ]
+        if want_counts[0]:
+            outputs.append(_tensor("num_input_tokens", [len(result.prompt_token_ids)], np.int32))
+        if want_counts[1]:
+            outputs.append(_tensor("num_output_tokens", [len(result.token_ids)], np.int32))
+        sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
+
+    def _ends_cleanly(self, tokens):
+        return not self.engine.tokenizer.decode(tokens).endswith(REPLACEMENT_CHAR)
+
+    @staticmethod
+    def _tokens(ids):
+        return [pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32).reshape(1, 1, -1)),
+                pb_utils.Tensor("sequence_length", np.array([[len(ids)]], dtype=np.int32))]
+
+    def _count(self, result):
+        stats = result.stats
+        for key, value in (("requests", 1), ("generated", len(result.token_ids)), ("steps", stats.steps),
+                           ("drafted", stats.draft_tokens), ("accepted", stats.accepted_tokens)):
+            self.counters[key].increment(value)

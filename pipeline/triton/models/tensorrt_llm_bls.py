@@ -1,0 +1,141 @@
+"""Triton Python model `tensorrt_llm_bls`: preprocessing -> tensorrt_llm -> postprocessing as BLS calls.
+
+Decoupled: each request runs in a worker thread; the engine model is called as a decoupled BLS
+request, and each of its responses is detokenized and forwarded (streaming) or the single response
+is forwarded with the final flag (non-streaming). Self-contained so it also runs in the NGC container.
+"""
+
+import json
+import threading
+import traceback
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+PREPROCESSING, POSTPROCESSING = "preprocessing", "postprocessing"
+# client input -> preprocessing input
+PREPROCESSING_INPUT_OF = {"text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "bad_words": "BAD_WORDS_DICT",
+                          "stop_words": "STOP_WORDS_DICT", "end_id": "END_ID", "pad_id": "PAD_ID"}
+# preprocessing output -> engine input
+ENGINE_INPUT_FROM_PREPROCESSING = {
+    "INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
+    "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id", "STOP_WORDS_IDS": "stop_words_list",
+    "BAD_WORDS_IDS": "bad_words_list"}
+# client input -> engine input, passed through unchanged
+ENGINE_INPUT_OF = {
+    "num_return_sequences": "num_return_sequences", "exclude_input_in_output": "exclude_input_in_output",
+    "top_k": "runtime_top_k", "top_p": "runtime_top_p", "temperature": "temperature",
+    "length_penalty": "len_penalty", "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed",
+    "return_log_probs": "return_log_probs", "return_context_logits": "return_context_logits",
+    "return_generation_logits": "return_generation_logits", "return_perf_metrics": "return_perf_metrics",
+    "return_num_input_tokens": "return_num_input_tokens", "return_num_output_tokens": "return_num_output_tokens",
+    "beam_width": "beam_width", "stream": "streaming"}
+PASSTHROUGH_OUTPUTS = (
+    "cum_log_probs", "output_log_probs", "context_logits", "generation_logits", "batch_index", "sequence_index",
+    "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns",
+    "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns", "acceptance_rate",
+    "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens", "num_output_tokens")
+
+
+class BlsError(Exception):
+    """A composing model answered with an error; its message goes back to the client."""
+
+
+def _input(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _exec(request):
+    response = request.exec()
+    if response.has_error():
+        raise BlsError(response.error().message())
+    return response
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
+        self.engine_model = params["tensorrt_llm_model_name"]
+        self.draft_model = params["tensorrt_llm_draft_model_name"]
+        self.accumulate = params["accumulate_tokens"].lower() in ("true", "1")
+        self.workers = set()
+        self.workers_lock = threading.Lock()
+
+    def execute(self, requests):
+        for request in requests:
+            worker = threading.Thread(target=self._serve, args=(request,), daemon=True)
+            with self.workers_lock:
+                self.workers.add(worker)
+            worker.start()
+        return None
+
+    def finalize(self):
+        with self.workers_lock:
+            workers = list(self.workers)
+        for worker in workers:
+            worker.join()
+
+    def _serve(self, request):
+        sender = request.get_response_sender()
+        try:
+            self._generate(request, sender)
+        except BlsError as exc:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
+        except Exception as exc:  # a bug must still end the request; the server keeps serving others
+            traceback.print_exc()
+            sender.send(pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"tensorrt_llm_bls: internal error: {type(exc).__name__}: {exc}")),
+                flags=FINAL)
+        finally:
+            with self.workers_lock:
+                self.workers.discard(threading.current_thread())
+
+    def _engine_request(self, request):
+        pre_inputs = [pb_utils.Tensor(inner, value) for outer, inner in PREPROCESSING_INPUT_OF.items()
+                      if (value := _input(request, outer)) is not None]
+        pre = _exec(pb_utils.InferenceRequest(model_name=PREPROCESSING, inputs=pre_inputs,
+                                              requested_output_names=list(ENGINE_INPUT_FROM_PREPROCESSING)))
+        inputs = [pb_utils.Tensor(inner, pb_utils.get_output_tensor_by_name(pre, outer).as_numpy())
+                  for outer, inner in ENGINE_INPUT_FROM_PREPROCESSING.items()]
+        inputs += [pb_utils.Tensor(inner, value) for outer, inner in ENGINE_INPUT_OF.items()
+                   if (value := _input(request, outer)) is not None]
+        return pb_utils.InferenceRequest(model_name=self.engine_model, inputs=inputs,
+                                         requested_output_names=["output_ids", "sequence_length", *PASSTHROUGH_OUTPUTS])
+
+    def _detokenize(self, tokens, lengths):
+        post = _exec(pb_utils.InferenceRequest(
+            model_name=POSTPROCESSING, requested_output_names=["OUTPUT"],
+            inputs=[pb_utils.Tensor("TOKENS_BATCH", tokens), pb_utils.Tensor("SEQUENCE_LENGTH", lengths)]))
+        return pb_utils.get_output_tensor_by_name(post, "OUTPUT").as_numpy()
+
+    def _generate(self, request, sender):
+        if self.draft_model:
+            raise BlsError(f"tensorrt_llm_bls: draft-model speculation through {self.draft_model!r} is not "
+                           "implemented in this BLS model; send the request to the ensemble")
+        stream_flag = _input(request, "stream")
+        streaming = stream_flag is not None and bool(stream_flag.reshape(-1)[0])
+        accumulated = None
+        for response in self._engine_request(request).exec(decoupled=True):
+            if response.has_error():
+                raise BlsError(response.error().message())
+            ids_tensor = pb_utils.get_output_tensor_by_name(response, "output_ids")
+            if ids_tensor is None:
+                continue  # the empty response that only carries the final flag
+            tokens = ids_tensor.as_numpy()
+            lengths = pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy()
+            if self.accumulate and streaming:  # resend the whole text so far, as the reference BLS does
+                accumulated = tokens if accumulated is None else np.concatenate([accumulated, tokens], axis=-1)
+                tokens = accumulated
+                lengths = np.full(tokens.shape[:2], tokens.shape[-1], dtype=np.int32)
+            outputs = [pb_utils.Tensor("text_output", self._detokenize(tokens, lengths))]
+            outputs += [t for name in PASSTHROUGH_OUTPUTS
+                        if (t := pb_utils.get_output_tensor_by_name(response, name)) is not None]
+            if streaming:
+                sender.send(pb_utils.InferenceResponse(output_tensors=outputs))
+            else:
+                sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
+                return
+        sender.send(flags=FINAL)

@@ -1,0 +1,219 @@
+"""Start a real `tritonserver` on a model repository and stop it cleanly: `with TritonServer(repo) as server:`.
+
+The binary is the one on PATH (NGC container) or else the one bundled in the nvidia-pytriton wheel,
+which needs its library folder and the Python's on LD_LIBRARY_PATH, the venv first on PATH, and a
+backend folder holding the Python backend with the stub built for the running Python version.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from pipeline.errors import UserError
+
+LOCALHOST = "127.0.0.1"
+READY_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 30.0
+POLL_INTERVAL_S = 0.25
+LOG_TAIL_LINES = 40
+SHM_DIR = Path("/dev/shm")
+# Triton's Python backend names its shared-memory regions <prefix><n>; ours carry a per-server prefix.
+SHM_PREFIX = "triton_python_backend_shm_region_specpipe"
+BACKEND_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specpipe" / "triton_backends"
+_instance_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class Ports:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOCALHOST, 0))
+        return s.getsockname()[1]
+
+
+def free_ports() -> Ports:
+    return Ports(free_port(), free_port(), free_port())
+
+
+def _pytriton_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("tritonserver is not on PATH and nvidia-pytriton is not installed; run `make setup` "
+                        "or use the NGC tritonserver container")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _check_numpy() -> None:
+    import numpy
+
+    if int(numpy.__version__.split(".")[0]) >= 2:
+        raise UserError(f"numpy {numpy.__version__} is installed; the bundled Python backend needs numpy < 2 "
+                        "(pip install 'numpy<2')")
+
+
+def bundled_backend_dir(pytriton: Path) -> Path:
+    """A backend folder with the wheel's Python backend and the stub for this Python (built once, cached)."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = pytriton / "tritonserver" / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise UserError(f"{stub.parent}: nvidia-pytriton ships no Python-backend stub for Python {version}; "
+                        "use Python 3.8-3.13")
+    dest = BACKEND_CACHE / f"py{version}"
+    python_dir = dest / "python"
+    if not (python_dir / stub.name).is_file():
+        tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "python").mkdir(parents=True)
+        for src in (pytriton / "tritonserver" / "backends" / "python").iterdir():
+            if src.is_file():
+                shutil.copy2(src, tmp / "python" / src.name)
+        shutil.copy2(stub, tmp / "python" / stub.name)
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+    return dest
+
+
+def server_command(repo: Path, ports: Ports, shm_prefix: str, log_verbose: int) -> tuple[list[str], dict[str, str]]:
+    """The tritonserver command line and its environment."""
+    env = dict(os.environ)
+    args = [f"--model-repository={repo}", f"--http-address={LOCALHOST}", f"--grpc-address={LOCALHOST}",
+            f"--metrics-address={LOCALHOST}", f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+            f"--metrics-port={ports.metrics}", f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+            f"--log-verbose={log_verbose}", "--exit-timeout-secs=10"]
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return [on_path, *args], env
+    _check_numpy()
+    pytriton = _pytriton_dir()
+    libs = [str(pytriton.parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR")]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    binary = pytriton / "tritonserver" / "bin" / "tritonserver"
+    return [str(binary), *args, f"--backend-directory={bundled_backend_dir(pytriton)}"], env
+
+
+class TritonServer:
+    """A running tritonserver; logs go to `log` (stderr by default), the last lines are kept for errors."""
+
+    def __init__(self, repo: str | Path, ports: Ports | None = None, log: TextIO | None = None,
+                 ready_timeout_s: float = READY_TIMEOUT_S, log_verbose: int = 0):
+        self.repo = Path(repo).resolve()
+        if not (self.repo.is_dir() and any(self.repo.glob("*/config.pbtxt"))):
+            raise UserError(f"{repo}: not a Triton model repository (no */config.pbtxt); "
+                            "generate one with `specpipe triton-repo`")
+        self.ports = ports or Ports()
+        self.log = log or sys.stderr
+        self.ready_timeout_s = ready_timeout_s
+        self.log_verbose = log_verbose
+        self.shm_prefix = f"{SHM_PREFIX}{os.getpid()}_{next(_instance_counter)}_"
+        self.process: subprocess.Popen | None = None
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self._log_thread: threading.Thread | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{LOCALHOST}:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{LOCALHOST}:{self.ports.grpc}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{LOCALHOST}:{self.ports.metrics}/metrics"
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        for port in (self.ports.http, self.ports.grpc, self.ports.metrics):
+            with socket.socket() as s:
+                if s.connect_ex((LOCALHOST, port)) == 0:
+                    raise UserError(f"port {port} on {LOCALHOST} is in use; stop that server or choose other "
+                                    "--http-port/--grpc-port/--metrics-port")
+        cmd, env = server_command(self.repo, self.ports, self.shm_prefix, self.log_verbose)
+        # A new session, so that stopping the server also stops its Python-backend stub processes.
+        self.process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, errors="replace", start_new_session=True)
+        self._log_thread = threading.Thread(target=self._forward_logs, daemon=True)
+        self._log_thread.start()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _forward_logs(self) -> None:
+        for line in self.process.stdout:
+            self.log_tail.append(line.rstrip())
+            self.log.write(f"[tritonserver] {line}")
+            self.log.flush()
+
+    def tail_text(self) -> str:
+        return " | ".join(line for line in self.log_tail if line.strip())[-2000:]
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                time.sleep(POLL_INTERVAL_S)  # let the log thread catch the last lines
+                raise UserError(f"tritonserver exited with code {self.process.returncode} while loading {self.repo}; "
+                                f"its last log lines: {self.tail_text()}")
+            try:
+                with urllib.request.urlopen(url, timeout=POLL_INTERVAL_S * 4) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(POLL_INTERVAL_S)
+        raise UserError(f"tritonserver was not ready after {self.ready_timeout_s:.0f} s on {self.repo}; "
+                        f"its last log lines: {self.tail_text()}")
+
+    def wait(self) -> int:
+        return self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if self._log_thread is not None:
+            self._log_thread.join(timeout=STOP_TIMEOUT_S)
+        self.remove_shm()
+
+    def remove_shm(self) -> list[Path]:
+        """Remove this server's Python-backend shared-memory regions (left behind if it was killed)."""
+        regions = sorted(SHM_DIR.glob(f"{self.shm_prefix}*"))
+        for region in regions:
+            region.unlink(missing_ok=True)
+        return regions
