@@ -28,3 +28,29 @@ test: setup
 
 clean:
 	rm -rf $(ENGINES)/* triton_repo/generated reports/tmp
+
+# make build-engines [TARGET=smollm2|PATH] [DRAFT=medusa:PATH|eagle:PATH|eagle3:PATH|draft-model:PATH|ngram|ngram:K]
+# Converts into engines/<name>-ckpt and builds the portable engine engines/<name>; with trtllm-build on
+# PATH also engines/<name>-trtllm. <name> = target name + -medusa/-eagle/-eagle3/-draft/-ngram.
+build-engines: setup
+	@set -euo pipefail; \
+	name=$$(basename "$(TARGET)"); name=$${name%.gguf}; \
+	draft="$(DRAFT)"; kind=$${draft%%:*}; arg=""; [[ "$$draft" == *:* ]] && arg=$${draft#*:}; \
+	conv=(); build=(); suffix=""; \
+	case "$$kind" in \
+	  "") ;; \
+	  medusa) conv=(--medusa "$$arg"); suffix=-medusa ;; \
+	  eagle) conv=(--eagle "$$arg"); suffix=-eagle ;; \
+	  eagle3) conv=(--eagle3 "$$arg"); suffix=-eagle3 ;; \
+	  draft-model) conv=(--draft-model "$$arg"); suffix=-draft ;; \
+	  ngram) build=(--speculative ngram $${arg:+--ngram-k "$$arg"}); suffix=-ngram ;; \
+	  *) echo "DRAFT=$(DRAFT): unknown; use medusa:PATH, eagle:PATH, eagle3:PATH, draft-model:PATH, ngram or ngram:K" >&2; exit 2 ;; \
+	esac; \
+	if [[ $${#conv[@]} -gt 0 && -z "$$arg" ]]; then echo "DRAFT=$(DRAFT): give the draft's path, e.g. DRAFT=$$kind:PATH" >&2; exit 2; fi; \
+	ckpt=$(ENGINES)/$$name$$( [[ $$kind == ngram ]] || echo "$$suffix" )-ckpt; \
+	$(SPECPIPE) convert --target "$(TARGET)" --output "$$ckpt" --dtype $(DTYPE) "$${conv[@]}"; \
+	$(SPECPIPE) build --checkpoint "$$ckpt" --output $(ENGINES)/$$name$$suffix --backend portable "$${build[@]}"; \
+	if command -v trtllm-build >/dev/null; then \
+	  if [[ $$kind == eagle3 ]]; then echo "note: EAGLE-3 has no TensorRT engine in TensorRT-LLM 1.2; skipping the trtllm build"; \
+	  else $(SPECPIPE) build --checkpoint "$$ckpt" --output $(ENGINES)/$$name$$suffix-trtllm --backend trtllm "$${build[@]}"; fi; \
+	else echo "note: trtllm-build not on PATH; built the portable engine only"; fi
