@@ -1,0 +1,1 @@
+"""Benchmarks: the engine-vs-vLLM comparison harness (`specpipe compare`) and its statistics."""

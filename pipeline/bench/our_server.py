@@ -1,0 +1,84 @@
+"""Our engine behind Triton and the OpenAI front, started the way a user does: `specpipe triton-repo`
+then `specpipe serve --openai-port`, as a subprocess so its cores are free once it stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from pipeline.errors import UserError
+from pipeline.triton.server import Ports, free_ports
+
+HOST = "127.0.0.1"
+POLL_S = 1.0
+STOP_GRACE_S = 60.0
+
+
+@dataclass
+class OurServer:
+    """`with OurServer(engine, ...) as s:` serves the OpenAI API at s.base_url."""
+
+    engine_dir: Path
+    repo_dir: Path
+    openai_port: int
+    log_path: Path
+    startup_timeout_s: float = 600.0
+    proc: subprocess.Popen | None = field(default=None, init=False)
+    ports: Ports = field(default_factory=free_ports)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.openai_port}"
+
+    def _specpipe(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "pipeline", *args]
+
+    def __enter__(self) -> "OurServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(self._specpipe("triton-repo", "--engine", str(self.engine_dir), "--output", str(self.repo_dir)),
+                       check=True, stdout=subprocess.DEVNULL)
+        cmd = self._specpipe("serve", "--repo", str(self.repo_dir), "--openai-port", str(self.openai_port),
+                             "--http-port", str(self.ports.http), "--grpc-port", str(self.ports.grpc),
+                             "--metrics-port", str(self.ports.metrics))
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+                raise UserError(f"specpipe serve exited with code {self.proc.returncode}: {tail[0]} (log {self.log_path})")
+            try:
+                if requests.get(f"{self.base_url}/v1/models", timeout=POLL_S).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(POLL_S)
+        raise UserError(f"our server not ready after {self.startup_timeout_s:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)  # `specpipe serve` stops tritonserver on SIGTERM
+        try:
+            self.proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()

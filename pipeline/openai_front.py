@@ -1,0 +1,368 @@
+"""OpenAI-compatible HTTP front (`/v1/models`, `/v1/completions`, `/v1/chat/completions`) over Triton gRPC.
+
+Each request becomes one gRPC stream to the `ensemble` model; streamed Triton responses become
+server-sent-event chunks. The speculative metrics of the last response are returned as an extra
+`spec` field so a benchmark reads acceptance without a side channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from tritonclient.utils import InferenceServerException, triton_to_np_dtype
+
+from pipeline.errors import UserError
+
+ENSEMBLE_MODEL = "ensemble"
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+GREEDY_TOP_K = 1
+FINAL_FLAG = "triton_final_response"
+SPEC_OUTPUTS = ("total_accepted_draft_tokens", "total_draft_tokens", "acceptance_rate")
+
+
+class RequestError(Exception):
+    """A malformed OpenAI request: answered with HTTP 400."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class TritonDelta:
+    text: str
+    final: bool
+    outputs: dict[str, float]  # scalar extra outputs (perf metrics) of this response
+
+
+def parse_sampling(body: dict[str, Any]) -> Sampling:
+    def number(name: str, default: float, kind: type) -> Any:
+        value = body.get(name, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RequestError(f"'{name}' must be a number, got {value!r}")
+        return kind(value)
+
+    max_tokens = number("max_tokens", DEFAULT_MAX_TOKENS, int)
+    if max_tokens < 1:
+        raise RequestError(f"'max_tokens' must be at least 1, got {max_tokens}")
+    stop = body.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) and s for s in stop):
+        raise RequestError("'stop' must be a non-empty string or a list of them")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise RequestError(f"'seed' must be an integer, got {seed!r}")
+    return Sampling(max_tokens, number("temperature", 1.0, float), number("top_p", 1.0, float), stop, seed)
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string, holding back a tail that could start one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self.pending = self.pending[: min(hits)], ""
+            return out
+        cut = max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class TritonEnsemble:
+    """Streams one generation from the Triton `ensemble` model, sending only the inputs it declares."""
+
+    def __init__(self, url: str, model: str = ENSEMBLE_MODEL):
+        self.url = url
+        self.model = model
+        client = grpcclient.InferenceServerClient(url)
+        try:
+            meta = client.get_model_metadata(model, as_json=True)
+            config = client.get_model_config(model, as_json=True)["config"]
+        finally:
+            client.close()
+        self.inputs = {i["name"]: i for i in meta["inputs"]}
+        self.outputs = {o["name"] for o in meta["outputs"]}
+        self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+
+    def _tensor(self, name: str, values: list[Any]) -> grpcclient.InferInput:
+        meta = self.inputs[name]
+        arr = np.array(values, dtype=triton_to_np_dtype(meta["datatype"]))
+        arr = arr.reshape(1, -1) if len(meta["shape"]) > 1 else arr.reshape(-1)
+        tensor = grpcclient.InferInput(name, list(arr.shape), meta["datatype"])
+        tensor.set_data_from_numpy(arr)
+        return tensor
+
+    def request_inputs(self, prompt: str, s: Sampling, end_id: int | None) -> list[grpcclient.InferInput]:
+        greedy = s.temperature == 0.0
+        wanted: dict[str, list[Any]] = {
+            "text_input": [prompt.encode()],
+            "max_tokens": [s.max_tokens],
+            "stream": [self.decoupled],
+            "exclude_input_in_output": [True],
+            "return_perf_metrics": [True],
+            # Greedy as top_k=1 at temperature 1: a zero temperature divides logits by zero in some backends.
+            "temperature": [1.0 if greedy else s.temperature],
+            "top_k": [GREEDY_TOP_K if greedy else 0],
+            "top_p": [1.0 if greedy else s.top_p],
+        }
+        if s.stop:
+            wanted["stop_words"] = [x.encode() for x in s.stop]
+        if s.seed is not None:
+            wanted["seed"] = [s.seed]
+        if end_id is not None:
+            wanted["end_id"] = [end_id]
+        return [self._tensor(k, v) for k, v in wanted.items() if k in self.inputs]
+
+    async def generate(self, prompt: str, s: Sampling, end_id: int | None) -> AsyncIterator[TritonDelta]:
+        """Yield text deltas; the sync gRPC stream runs on its own thread and feeds an asyncio queue."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[Any, Any]] = asyncio.Queue()
+        client = grpcclient.InferenceServerClient(self.url)
+        client.start_stream(callback=lambda result, error: loop.call_soon_threadsafe(queue.put_nowait, (result, error)))
+        wanted_outputs = [grpcclient.InferRequestedOutput(n) for n in ("text_output", *SPEC_OUTPUTS) if n in self.outputs]
+        try:
+            client.async_stream_infer(self.model, self.request_inputs(prompt, s, end_id), outputs=wanted_outputs,
+                                      request_id=uuid.uuid4().hex, enable_empty_final_response=self.decoupled)
+            while True:
+                result, error = await queue.get()
+                if error is not None:
+                    raise error
+                delta = _delta(result)
+                yield delta
+                if delta.final or not self.decoupled:
+                    return
+        finally:
+            # stop_stream joins the stream thread; keep it off the event loop.
+            threading.Thread(target=_close, args=(client,), daemon=True).start()
+
+
+def _close(client: grpcclient.InferenceServerClient) -> None:
+    client.stop_stream(cancel_requests=True)
+    client.close()
+
+
+def _delta(result: Any) -> TritonDelta:
+    response = result.get_response()
+    final = response.parameters[FINAL_FLAG].bool_param if FINAL_FLAG in response.parameters else False
+    names = {o.name for o in response.outputs}
+    text = ""
+    if "text_output" in names:
+        text = "".join(x.decode() if isinstance(x, bytes) else str(x) for x in result.as_numpy("text_output").reshape(-1))
+    extra = {n: float(result.as_numpy(n).reshape(-1)[0]) for n in SPEC_OUTPUTS if n in names}
+    return TritonDelta(text, final, extra)
+
+
+def spec_field(completion_tokens: int, outputs: dict[str, float]) -> dict[str, Any] | None:
+    """Acceptance of the request: tokens per target forward pass = tokens / (tokens - accepted drafts)."""
+    if "total_accepted_draft_tokens" not in outputs:
+        return None
+    accepted = int(outputs["total_accepted_draft_tokens"])
+    passes = completion_tokens - accepted
+    return {
+        "accepted_draft_tokens": accepted,
+        "draft_tokens": int(outputs.get("total_draft_tokens", 0)),
+        "acceptance_rate": outputs.get("acceptance_rate"),
+        "acceptance_length": completion_tokens / passes if passes > 0 else None,
+    }
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status)
+
+
+class OpenAIFront:
+    """Turns OpenAI requests into ensemble streams; `chat` selects the chat-completions shapes."""
+
+    def __init__(self, backend: TritonEnsemble, tokenizer: Any, model_name: str):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    def count_tokens(self, text: str, special: bool) -> int:
+        return len(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def prompt_of(self, body: dict[str, Any], chat: bool) -> str:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "content" in m for m in messages):
+                raise RequestError("'messages' must be a non-empty list of {role, content} objects")
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError("'prompt' must be a non-empty string (one prompt per request)")
+        return prompt
+
+    async def run(self, body: dict[str, Any], chat: bool) -> AsyncIterator[tuple[str, str | None, dict[str, Any]]]:
+        """Yield (text delta, finish_reason or None, extras): every item carries the running usage
+        (completion tokens counted by re-tokenizing the text so far), the last one also `spec`."""
+        s = parse_sampling(body)
+        prompt = self.prompt_of(body, chat)
+        prompt_tokens = self.count_tokens(prompt, special=True)
+
+        def usage(text: str) -> dict[str, int]:
+            n = self.count_tokens(text, special=False)
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+
+        stopper = StopMatcher(s.stop)
+        text, outputs = "", {}
+        async for delta in self.backend.generate(prompt, s, self.tokenizer.eos_token_id):
+            outputs.update(delta.outputs)
+            piece = stopper.feed(delta.text)
+            text += piece
+            if piece:
+                yield piece, None, {"usage": usage(text)}
+            if stopper.stopped:
+                break
+        tail = "" if stopper.stopped else stopper.flush()
+        text += tail
+        final = usage(text)
+        n = final["completion_tokens"]
+        finish = "length" if n >= s.max_tokens and not stopper.stopped else "stop"
+        yield tail, finish, {"usage": final, "spec": spec_field(n, outputs)}
+
+
+def _choice(chat: bool, text: str, finish: str | None, stream: bool) -> dict[str, Any]:
+    if not chat:
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    key = "delta" if stream else "message"
+    return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish}
+
+
+def create_app(front: OpenAIFront) -> FastAPI:
+    app = FastAPI(title="specpipe OpenAI-compatible front")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": front.model_name, "object": "model", "owned_by": "specpipe"}]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    async def handle(request: Request, chat: bool) -> Any:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error_response(400, f"request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object")
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": front.model_name}
+        events = front.run(body, chat)
+        try:
+            first = await events.__anext__()  # surfaces request and Triton errors before any bytes are sent
+        except RequestError as exc:
+            return error_response(400, str(exc))
+        except InferenceServerException as exc:
+            return error_response(500, f"Triton: {exc.message()}")
+        if body.get("stream"):
+            opts = body.get("stream_options") or {}
+            return StreamingResponse(_sse(head, chat, first, events, opts), media_type="text/event-stream")
+        try:
+            items = [first] + [item async for item in events]
+        except InferenceServerException as exc:
+            return error_response(500, f"Triton: {exc.message()}")
+        text = "".join(piece for piece, _, _ in items)
+        _, finish, extras = items[-1]
+        extras = {"usage": extras["usage"], "spec": extras.get("spec")}
+        obj = "chat.completion" if chat else "text_completion"
+        return {**head, "object": obj, "choices": [_choice(chat, text, finish, stream=False)], **extras}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await handle(request, chat=True)
+
+    return app
+
+
+async def _sse(head: dict[str, Any], chat: bool, first: tuple, events: AsyncIterator[tuple], opts: dict[str, Any]) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per text delta, `spec` on the finishing chunk, optional usage."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    every_usage = bool(opts.get("continuous_usage_stats"))
+
+    def chunk(payload: dict[str, Any]) -> str:
+        return f"data: {json.dumps({**head, 'object': obj, **payload})}\n\n"
+
+    try:
+        item = first
+        while True:
+            text, finish, extras = item
+            payload: dict[str, Any] = {"choices": [_choice(chat, text, finish, stream=True)]}
+            if finish is not None:
+                payload["spec"] = extras["spec"]
+                if every_usage:
+                    payload["usage"] = extras["usage"]
+            elif every_usage:
+                payload["usage"] = extras["usage"]
+            yield chunk(payload)
+            if finish is not None:
+                break
+            item = await events.__anext__()
+        if opts.get("include_usage"):
+            yield chunk({"choices": [], "usage": extras["usage"]})
+    except InferenceServerException as exc:
+        yield f"data: {json.dumps({'error': {'message': f'Triton: {exc.message()}', 'type': 'server_error', 'code': 500}})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def load_tokenizer(tokenizer_dir: Path) -> Any:
+    from transformers import AutoTokenizer  # heavy import, only where a tokenizer is needed
+
+    if not (Path(tokenizer_dir) / "tokenizer_config.json").is_file():
+        raise UserError(f"{tokenizer_dir}: no tokenizer_config.json; pass the engine's tokenizer/ folder")
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+def connect(triton_grpc_url: str, model: str = ENSEMBLE_MODEL) -> TritonEnsemble:
+    try:
+        return TritonEnsemble(triton_grpc_url, model)
+    except InferenceServerException as exc:
+        raise UserError(f"Triton at {triton_grpc_url}: cannot read model {model!r} ({exc.message()}); "
+                        "start the server first and check the gRPC port") from None
+
+
+def build_app(triton_grpc_url: str, model_name: str, tokenizer_dir: Path) -> FastAPI:
+    return create_app(OpenAIFront(connect(triton_grpc_url), load_tokenizer(tokenizer_dir), model_name))
+
+
+def serve(triton_grpc_url: str, host: str, port: int, model_name: str, tokenizer_dir: Path) -> None:
+    """Serve the OpenAI API on host:port until interrupted (blocking)."""
+    uvicorn.run(build_app(triton_grpc_url, model_name, tokenizer_dir), host=host, port=port, log_level="warning")

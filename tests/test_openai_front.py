@@ -1,0 +1,144 @@
+"""The OpenAI-compatible front against a real tritonserver serving a tiny random-model engine."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import uvicorn
+
+from pipeline.bench.stream_client import completion_request, stream_completion
+from pipeline.convert.tiny import make_tiny_model
+from pipeline.openai_front import StopMatcher, build_app
+from pipeline.triton.repo import write_repository
+from pipeline.triton.server import TritonServer, free_port
+from tests.conftest import convert_and_build
+
+MODEL = "tiny"
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 12
+READY_TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory):
+    """Triton on a tiny ngram-speculative engine, the front on a free port; yields (base_url, tokenizer dir)."""
+    root = tmp_path_factory.mktemp("front")
+    engine = convert_and_build(make_tiny_model(root / "hf"), root / "build", speculative="ngram", ngram_k=4)
+    repo = write_repository(engine, root / "repo")
+    tokenizer_dir = engine / "tokenizer"
+    with TritonServer(repo, log=open(root / "triton.log", "w")) as triton:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(build_app(triton.grpc_url, MODEL, tokenizer_dir), host="127.0.0.1",
+                                               port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.started, "OpenAI front did not start"
+        yield f"http://127.0.0.1:{port}", tokenizer_dir
+        server.should_exit = True
+        thread.join(READY_TIMEOUT_S)
+
+
+def _post(base: str, path: str, body: dict) -> requests.Response:
+    return requests.post(f"{base}{path}", json=body, timeout=120)
+
+
+def test_models_lists_the_served_name(front):
+    base, _ = front
+    data = requests.get(f"{base}/v1/models", timeout=10).json()
+    assert [m["id"] for m in data["data"]] == [MODEL]
+
+
+def test_completion_streaming_equals_non_streaming(front):
+    base, _ = front
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    plain = _post(base, "/v1/completions", body).json()
+    assert plain["object"] == "text_completion"
+    text = plain["choices"][0]["text"]
+    usage = plain["usage"]
+    assert usage["prompt_tokens"] > 0 and 0 < usage["completion_tokens"] <= MAX_TOKENS
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert plain["spec"]["acceptance_length"] >= 1.0
+
+    streamed = stream_completion(base, completion_request(MODEL, PROMPT, MAX_TOKENS))
+    assert streamed.text == text  # greedy: the same tokens whichever way they travel
+    assert streamed.completion_tokens == usage["completion_tokens"]
+    assert streamed.finish_reason in ("length", "stop")
+    assert streamed.spec is not None and streamed.spec["acceptance_length"] >= 1.0
+    assert len(streamed.timing.chunk_times) >= 1
+
+
+def test_sse_framing_ends_with_done(front):
+    base, _ = front
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=120) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = [ln for ln in resp.iter_lines(decode_unicode=True) if ln]
+    assert all(ln.startswith("data: ") for ln in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[len("data: "):]) for ln in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] is not None
+    assert "spec" in chunks[-1]
+
+
+def test_chat_applies_the_template(front):
+    base, tokenizer_dir = front
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = _post(base, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 8,
+                                                "temperature": 0}).json()
+    assert chat["object"] == "chat.completion"
+    templated = AutoTokenizer.from_pretrained(tokenizer_dir).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    plain = _post(base, "/v1/completions", {"model": MODEL, "prompt": templated, "max_tokens": 8,
+                                            "temperature": 0}).json()
+    assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0, "stream": True}
+    with requests.post(f"{base}/v1/chat/completions", json=body, stream=True, timeout=120) as resp:
+        lines = [ln for ln in resp.iter_lines(decode_unicode=True) if ln.startswith("data: {")]
+    deltas = [json.loads(ln[6:])["choices"][0]["delta"].get("content", "") for ln in lines]
+    assert "".join(deltas) == chat["choices"][0]["message"]["content"]
+
+
+def test_errors_are_openai_shaped(front):
+    base, _ = front
+    bad_json = requests.post(f"{base}/v1/completions", data=b"{not json", timeout=10,
+                             headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
+    missing = _post(base, "/v1/completions", {"model": MODEL, "max_tokens": 4})
+    assert missing.status_code == 400 and "prompt" in missing.json()["error"]["message"]
+    no_messages = _post(base, "/v1/chat/completions", {"model": MODEL})
+    assert no_messages.status_code == 400
+    too_long = _post(base, "/v1/completions", {"model": MODEL, "prompt": PROMPT * 2000, "max_tokens": 4})
+    assert too_long.status_code == 500 and too_long.json()["error"]["type"] == "server_error"
+
+
+def test_stop_strings_cut_the_text(front):
+    base, _ = front
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    full = _post(base, "/v1/completions", body).json()["choices"][0]["text"]
+    if len(full) < 3:
+        pytest.skip("the random model produced too little text to place a stop string")
+    stop = full[2:4]
+    cut = _post(base, "/v1/completions", {**body, "stop": [stop]}).json()
+    assert cut["choices"][0]["text"] == full[: full.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stop_matcher_holds_back_a_partial_stop():
+    m = StopMatcher(("END",))
+    assert m.feed("abcE") == "ab"  # "cE" might start "END"
+    assert m.feed("N") == "c"
+    assert m.feed("Dxyz") == ""
+    assert m.stopped
+    free = StopMatcher(())
+    assert free.feed("abc") == "abc" and free.flush() == "" and not free.stopped
