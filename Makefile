@@ -54,3 +54,14 @@ build-engines: setup
 	  if [[ $$kind == eagle3 ]]; then echo "note: EAGLE-3 has no TensorRT engine in TensorRT-LLM 1.2; skipping the trtllm build"; \
 	  else $(SPECPIPE) build --checkpoint "$$ckpt" --output $(ENGINES)/$$name$$suffix-trtllm --backend trtllm "$${build[@]}"; fi; \
 	else echo "note: trtllm-build not on PATH; built the portable engine only"; fi
+
+# make compare [COMPARE_ENGINE=engines/smollm2-ngram] [COMPARE_ARGS="--num-prompts 8 --max-tokens 128"]
+# Our engine (Triton + OpenAI front) and vLLM (own venv, installed when missing), one after the other,
+# measured by the same client; writes reports/compare-<date>/.
+COMPARE_ENGINE ?= $(ENGINES)/smollm2-ngram
+COMPARE_ARGS ?=
+.PHONY: compare
+compare: setup
+	bash build/install_vllm.sh
+	test -f $(COMPARE_ENGINE)/config.json || $(MAKE) build-engines TARGET=smollm2 DRAFT=ngram
+	$(SPECPIPE) compare --engine $(COMPARE_ENGINE) $(COMPARE_ARGS)
