@@ -56,6 +56,6 @@ def convert(target: str | Path | TargetSource, output: str | Path, dtype: str = 
             write_eagle3_draft(tmp, source, drafts.eagle3, torch_dtype)
         elif kind == "draft_model":
             from pipeline.convert.draft_model import write_draft_model
-            write_draft_model(tmp, source, drafts.draft_model, torch_dtype, tp, pp)
+            write_draft_model(tmp, source, drafts.draft_model, torch_dtype, tp)
         write_checkpoint(tmp, config, tensors, source.tokenizer)
     return Path(output)

@@ -98,11 +98,11 @@ def load_target(spec: str | Path) -> TargetSource:
             raise UserError(f"{path}: not a .gguf file or a model folder; give a Hugging Face folder, a .gguf file, or {DEFAULT_TARGET!r}")
         model = _load_gguf_model(path, torch.float32)
         config, state_dict = model.config, {k: v.detach() for k, v in model.state_dict().items()}
-        tokenizer = _load_tokenizer(path.parent, gguf_file=path.name)
+        tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
     else:
-        config = _load_config(path)
+        config = load_config(path)
         state_dict = {k: v.float() for k, v in read_hf_weights(path).items()}
-        tokenizer = _load_tokenizer(path)
+        tokenizer = load_tokenizer(path)
     check_architecture(config, path)
     if not getattr(config, "architectures", None):  # GGUF configs carry no architectures list
         config.architectures = [ARCHITECTURE_BY_MODEL_TYPE[config.model_type]]
@@ -140,7 +140,7 @@ def export_hf_folder(spec: str | Path | TargetSource, out_dir: str | Path) -> Pa
         saved = json.loads((tmp / "config.json").read_text())
         saved.pop("quantization_config", None)
         (tmp / "config.json").write_text(json.dumps(saved, indent=2))
-        reloaded_theta, _ = rope_settings(_load_config(tmp))
+        reloaded_theta, _ = rope_settings(load_config(tmp))
         if reloaded_theta != theta:
             raise UserError(f"{out_dir}: rope theta {theta} was saved as {reloaded_theta}; transformers version mismatch")
     return Path(out_dir)
@@ -219,16 +219,22 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _load_config(folder: Path) -> Any:
-    from transformers import AutoConfig
-
+def load_config_dict(folder: Path) -> dict[str, Any]:
+    """config.json of a model or draft folder as a plain dict."""
     file = folder / "config.json"
     if not file.is_file():
         raise UserError(f"{file}: not found; a Hugging Face model folder needs config.json")
     try:
-        raw = json.loads(file.read_text())
+        return json.loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise UserError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def load_config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    file = folder / "config.json"
+    raw = load_config_dict(folder)
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES.values():
         raise UserError(f"{file}: unsupported architecture (architectures={raw.get('architectures')}, model_type={model_type!r});"
@@ -236,7 +242,7 @@ def _load_config(folder: Path) -> Any:
     return AutoConfig.from_pretrained(folder)
 
 
-def _load_tokenizer(folder: Path, gguf_file: str | None = None) -> Any:
+def load_tokenizer(folder: Path, gguf_file: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
     try:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.convert.checkpoint import read_config
+from pipeline.convert.eagle3 import EAGLE3_ARCHITECTURE
 from pipeline.engine.config import (DRAFT_DIR, SPECPIPE_FILE, TOKENIZER_DIR, TRTLLM_SPEC_MODE_FLAGS, DynamicTreeConfig,
                                     NgramConfig, SpecConfig)
 from pipeline.engine.tree import Choices, chain, parse_choices, validate_choices
@@ -36,7 +37,6 @@ DEFAULT_OPT_BATCH_SIZE = 8
 EAGLE_MAX_BATCH_SIZE = 512
 EAGLE_MAX_DRAFT_LEN = 256
 TOKENS_PER_BLOCK = 32
-EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 # Our speculative modes → TensorRT-LLM engine modes. EAGLE-3 has no TensorRT-engine mode in 1.2 (PyTorch
 # backend only); the portable build records it as externally drafted tokens, the trtllm build refuses it.
@@ -83,11 +83,12 @@ def non_leaves_per_depth(choices: Choices) -> dict[int, int]:
 
 def _tree_choices(opts: BuildOptions, depth: int | None, draft_len: int, max_non_leaves: int | None) -> Choices:
     choices = parse_choices(opts.choices or DEFAULT_CHOICES)
-    validate_choices(choices, max_depth=depth, max_draft_len=draft_len, what="--choices")
+    what = "--choices" if opts.choices else f"default tree {DEFAULT_CHOICES} (pass --choices)"
+    validate_choices(choices, max_depth=depth, max_draft_len=draft_len, what=what)
     if max_non_leaves is not None:
         for d, n in sorted(non_leaves_per_depth(choices).items()):
             if n > max_non_leaves:
-                raise UserError(f"--choices: {n} non-leaf nodes at depth {d} exceed max_non_leaves_per_layer {max_non_leaves}")
+                raise UserError(f"{what}: {n} non-leaf nodes at depth {d} exceed max_non_leaves_per_layer {max_non_leaves}")
     return choices
 
 
@@ -186,17 +187,18 @@ def trtllm_commands(ckpt_dir: Path, out_dir: Path, opts: BuildOptions, spec: Spe
         raise UserError("EAGLE-3 has no TensorRT engine in TensorRT-LLM 1.2: serve it with the PyTorch backend's "
                         f"Eagle3DecodingConfig(speculative_model='{ckpt_dir / DRAFT_DIR}') or use --backend portable")
 
-    def command(src: Path, dst: Path) -> list[str]:
+    def command(src: Path, dst: Path, max_seq_len: int) -> list[str]:
         return [TRTLLM_BUILD, "--checkpoint_dir", str(src), "--output_dir", str(dst),
                 "--max_batch_size", str(opts.max_batch_size), "--max_input_len", str(opts.max_input_len),
-                "--max_seq_len", str(opts.max_seq_len), "--gemm_plugin", "auto"]
+                "--max_seq_len", str(max_seq_len), "--gemm_plugin", "auto"]
 
-    target = command(ckpt_dir, out_dir)
+    target = command(ckpt_dir, out_dir, opts.max_seq_len)
     if spec.mode != "none":
         target += ["--speculative_decoding_mode", TRTLLM_MODE_OF[spec.mode], "--max_draft_len", str(spec.max_draft_len)]
     commands = [target]
     if spec.mode == "draft_model":
-        commands.append(command(ckpt_dir / DRAFT_DIR, out_dir / DRAFT_DIR))
+        # The draft also caches the k tokens it proposes beyond the accepted sequence.
+        commands.append(command(ckpt_dir / DRAFT_DIR, out_dir / DRAFT_DIR, opts.max_seq_len + spec.max_draft_len))
     return commands
 
 
