@@ -7,9 +7,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import convert_and_build
 
 from pipeline.cli import main
+from pipeline.convert.checkpoint import read_checkpoint
 from pipeline.convert.convert import convert
 from pipeline.engine.build import BuildOptions, build_engine
 from pipeline.engine.config import TRTLLM_SPEC_MODE_FLAGS, EngineDir
@@ -34,6 +36,9 @@ def test_portable_engine_directory(tiny_ckpt: Path, tmp_path: Path) -> None:
     assert engine.backend == "portable" and engine.spec.mode == "none"
     assert (out / "rank0.safetensors").stat().st_size == (tiny_ckpt / "rank0.safetensors").stat().st_size
     assert (out / "rank1.safetensors").is_file() and (engine.tokenizer_dir / "tokenizer.json").is_file()
+    engine_cfg, engine_tensors = read_checkpoint(out)
+    ckpt_cfg, ckpt_tensors = read_checkpoint(tiny_ckpt)
+    assert engine_cfg == ckpt_cfg and all(torch.equal(engine_tensors[k], v) for k, v in ckpt_tensors.items())
 
 
 def test_ngram_engine_records_spec(tiny_ckpt: Path, tmp_path: Path) -> None:

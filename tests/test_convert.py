@@ -146,7 +146,7 @@ def test_export_hf_folder_keeps_rope_theta(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "m", num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 12345.0})
     out = export_hf_folder(model, tmp_path / "hf")
     saved = json.loads((out / "config.json").read_text())
-    assert "quantization_config" not in saved and (out / "model.safetensors").is_file()
+    assert "quantization_config" not in saved and (out / "model.safetensors").is_file() and saved["rope_theta"] == 12345.0
     assert rope_settings(load_target(out).config)[0] == 12345.0
 
 

