@@ -29,6 +29,8 @@ from pipeline.errors import UserError
 LOCALHOST = "127.0.0.1"
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
+# tritonserver waits this long for models to unload; the ensemble never reports unloaded, so keep it short.
+EXIT_TIMEOUT_S = 5
 POLL_INTERVAL_S = 0.25
 LOG_TAIL_LINES = 40
 SHM_DIR = Path("/dev/shm")
@@ -101,7 +103,9 @@ def server_command(repo: Path, ports: Ports, shm_prefix: str, log_verbose: int) 
     args = [f"--model-repository={repo}", f"--http-address={LOCALHOST}", f"--grpc-address={LOCALHOST}",
             f"--metrics-address={LOCALHOST}", f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
             f"--metrics-port={ports.metrics}", f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
-            f"--log-verbose={log_verbose}", "--exit-timeout-secs=10"]
+            f"--log-verbose={log_verbose}", f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            # Our configs are complete; auto-complete would start one more Python stub per model.
+            "--disable-auto-complete-config"]
     on_path = shutil.which("tritonserver")
     if on_path:
         return [on_path, *args], env
