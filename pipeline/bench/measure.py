@@ -37,6 +37,7 @@ def measure_level(base_url: str, model: str, prompts: Sequence[str], references:
         **asdict(summary),
         "acceptance_length": _acceptance(results, before, after, per_request),
         "acceptance_lengths": per_request,
+        "spec_counters_delta": {k: after[k] - before.get(k, 0.0) for k in after},
         "exact_match_rate": agree.exact_match_rate,
         "mean_first_divergence": agree.mean_first_divergence,
         "finish_reasons": sorted({str(r.finish_reason) for r in results}),
@@ -53,8 +54,10 @@ def _acceptance(results: Sequence[Any], before: dict[str, float], after: dict[st
         tokens = sum(r.completion_tokens for r in results if r.spec and r.spec.get("acceptance_length"))
         accepted = sum(s["accepted_draft_tokens"] for s in specs)
         return stats.acceptance_length_from_counts(tokens, accepted)
-    drafts = after.get("drafts", 0.0) - before.get("drafts", 0.0)
-    if drafts > 0:
-        accepted = after.get("accepted_tokens", 0.0) - before.get("accepted_tokens", 0.0)
-        return stats.acceptance_length_from_drafts(drafts, accepted)
-    return None
+    if "drafts" not in after:
+        return None  # not a speculative server
+    drafts = after["drafts"] - before.get("drafts", 0.0)
+    if drafts == 0:
+        return 1.0  # nothing was proposed: every forward pass yielded one token
+    accepted = after.get("accepted_tokens", 0.0) - before.get("accepted_tokens", 0.0)
+    return stats.acceptance_length_from_drafts(drafts, accepted)

@@ -103,7 +103,10 @@ def plot_acceptance(systems: dict[str, Any], path: Path) -> None:
             ax.axvline(m, linestyle="--", color="tab:red", label=f"{name} (run mean)" if i == 0 else None)
     ax.set_xlabel("acceptance length (tokens per target forward pass)")
     ax.set_ylabel("requests")
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no speculative system reported acceptance", ha="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
