@@ -30,6 +30,8 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 GREEDY_TOP_K = 1
 FINAL_FLAG = "triton_final_response"
 SPEC_OUTPUTS = ("total_accepted_draft_tokens", "total_draft_tokens", "acceptance_rate")
+COUNT_OUTPUTS = ("num_input_tokens", "num_output_tokens")
+SCALAR_OUTPUTS = SPEC_OUTPUTS + COUNT_OUTPUTS
 
 
 class RequestError(Exception):
@@ -131,6 +133,8 @@ class TritonEnsemble:
             "stream": [self.decoupled],
             "exclude_input_in_output": [True],
             "return_perf_metrics": [True],
+            "return_num_input_tokens": [True],
+            "return_num_output_tokens": [True],
             # Greedy as top_k=1 at temperature 1: a zero temperature divides logits by zero in some backends.
             "temperature": [1.0 if greedy else s.temperature],
             "top_k": [GREEDY_TOP_K if greedy else 0],
@@ -150,7 +154,7 @@ class TritonEnsemble:
         queue: asyncio.Queue[tuple[Any, Any]] = asyncio.Queue()
         client = grpcclient.InferenceServerClient(self.url)
         client.start_stream(callback=lambda result, error: loop.call_soon_threadsafe(queue.put_nowait, (result, error)))
-        wanted_outputs = [grpcclient.InferRequestedOutput(n) for n in ("text_output", *SPEC_OUTPUTS) if n in self.outputs]
+        wanted_outputs = [grpcclient.InferRequestedOutput(n) for n in ("text_output", *SCALAR_OUTPUTS) if n in self.outputs]
         try:
             client.async_stream_infer(self.model, self.request_inputs(prompt, s, end_id), outputs=wanted_outputs,
                                       request_id=uuid.uuid4().hex, enable_empty_final_response=self.decoupled)
@@ -179,7 +183,7 @@ def _delta(result: Any) -> TritonDelta:
     text = ""
     if "text_output" in names:
         text = "".join(x.decode() if isinstance(x, bytes) else str(x) for x in result.as_numpy("text_output").reshape(-1))
-    extra = {n: float(result.as_numpy(n).reshape(-1)[0]) for n in SPEC_OUTPUTS if n in names}
+    extra = {n: float(result.as_numpy(n).reshape(-1)[0]) for n in SCALAR_OUTPUTS if n in names}
     return TritonDelta(text, final, extra)
 
 
@@ -227,8 +231,9 @@ class OpenAIFront:
         return prompt
 
     async def run(self, body: dict[str, Any], chat: bool) -> AsyncIterator[tuple[str, str | None, dict[str, Any]]]:
-        """Yield (text delta, finish_reason or None, extras): every item carries the running usage
-        (completion tokens counted by re-tokenizing the text so far), the last one also `spec`."""
+        """Yield (text delta, finish_reason or None, extras): every item carries the running usage, the
+        last one also `spec`. The ensemble streams text, not ids, so running counts re-tokenize the
+        text so far; the final counts are the engine's own when it returns them."""
         s = parse_sampling(body)
         prompt = self.prompt_of(body, chat)
         prompt_tokens = self.count_tokens(prompt, special=True)
@@ -250,6 +255,10 @@ class OpenAIFront:
         tail = "" if stopper.stopped else stopper.flush()
         text += tail
         final = usage(text)
+        if "num_output_tokens" in outputs and not stopper.stopped:
+            prompt_n = int(outputs.get("num_input_tokens", prompt_tokens))
+            n = int(outputs["num_output_tokens"])
+            final = {"prompt_tokens": prompt_n, "completion_tokens": n, "total_tokens": prompt_n + n}
         n = final["completion_tokens"]
         finish = "length" if n >= s.max_tokens and not stopper.stopped else "stop"
         yield tail, finish, {"usage": final, "spec": spec_field(n, outputs)}

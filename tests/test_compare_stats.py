@@ -114,3 +114,12 @@ def test_prompts_from_jsonl(tmp_path):
     f.write_text('{"text": "x"}\n')
     with pytest.raises(UserError, match="p.jsonl:1"):
         load_prompts(f, 1)
+
+
+def test_reconcile_counts_matches_the_final_total():
+    assert stats.reconcile_counts((1, 1, 3), 5) == (1, 1, 3)
+    assert stats.reconcile_counts((1, 2, 3), 8) == (1, 2, 5)
+    assert stats.reconcile_counts((2, 2, 3), 5) == (2, 2, 1)
+    assert stats.reconcile_counts((2, 2, 3), 4) == (2, 1, 1)  # corrections walk back, each chunk keeps 1
+    assert stats.reconcile_counts((1, 1), 1) == (1, 1)  # cannot go below one token a chunk
+    assert stats.reconcile_counts((), 0) == ()

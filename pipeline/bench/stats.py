@@ -30,6 +30,20 @@ class RequestTiming:
         return self.chunk_times[-1] if self.chunk_times else self.start
 
 
+def reconcile_counts(counts: Sequence[int], total: int) -> tuple[int, ...]:
+    """Make per-chunk token counts sum to the server's final total, correcting from the last chunk
+    back (running counts can be estimates); every chunk keeps at least one token."""
+    out = list(counts)
+    diff = total - sum(out)
+    for i in range(len(out) - 1, -1, -1):
+        if diff == 0:
+            break
+        step = diff if diff > 0 else max(diff, 1 - out[i])
+        out[i] += step
+        diff -= step
+    return tuple(out)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100, linear interpolation); NaN when there are no values."""
     if len(values) == 0:

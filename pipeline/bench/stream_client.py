@@ -2,7 +2,7 @@
 
 Each request asks for usage on every chunk (`stream_options.continuous_usage_stats`), so the
 client learns how many tokens each chunk carried without tokenizing; a server that omits it
-counts as one token per chunk.
+counts as one token per chunk. The last usage the server sends is the request's token count.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import requests
 from tqdm import tqdm
 
-from pipeline.bench.stats import RequestTiming
+from pipeline.bench.stats import RequestTiming, reconcile_counts
 
 REQUEST_TIMEOUT_S = 900.0
 SSE_PREFIX = "data: "
@@ -48,7 +48,7 @@ def stream_completion(base_url: str, body: dict[str, Any], session: requests.Ses
     times: list[float] = []
     counts: list[int] = []
     pieces: list[str] = []
-    seen_tokens, finish, spec = 0, None, None
+    seen_tokens, finish, spec, final_total = 0, None, None, None
     with http.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=REQUEST_TIMEOUT_S) as resp:
         if resp.status_code != 200:
             raise StreamError(f"{base_url}: HTTP {resp.status_code}: {resp.text[:300]}")
@@ -74,10 +74,12 @@ def stream_completion(base_url: str, body: dict[str, Any], session: requests.Ses
                     counts.append(new)
                     seen_tokens += new
                 pieces.append(text)
-            if not chunk.get("choices") and total is not None:
-                seen_tokens = max(seen_tokens, total)
+            if total is not None:
+                final_total = total
+    if final_total is not None:
+        counts = list(reconcile_counts(counts, final_total))
     timing = RequestTiming(start, tuple(times), tuple(counts))
-    return StreamResult(timing, "".join(pieces), seen_tokens, finish, spec)
+    return StreamResult(timing, "".join(pieces), final_total if final_total is not None else seen_tokens, finish, spec)
 
 
 def run_concurrent(base_url: str, bodies: Sequence[dict[str, Any]], concurrency: int, desc: str) -> list[StreamResult]:
