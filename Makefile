@@ -65,3 +65,36 @@ compare: setup
 	bash build/install_vllm.sh
 	test -f $(COMPARE_ENGINE)/config.json || $(MAKE) build-engines TARGET=smollm2 DRAFT=ngram
 	$(SPECPIPE) compare --engine $(COMPARE_ENGINE) $(COMPARE_ARGS)
+
+# --- Serving (Triton) -------------------------------------------------------------------------
+# make triton-repo | serve | verify | demo   [TARGET=smollm2|PATH] [DRAFT=...] [ENGINE=engines/<name>]
+# ENGINE defaults to the portable engine build-engines writes for TARGET and DRAFT.
+DRAFT_SUFFIX := $(patsubst %,-%,$(subst draft-model,draft,$(firstword $(subst :, ,$(DRAFT)))))
+ENGINE ?= $(ENGINES)/$(patsubst %.gguf,%,$(notdir $(TARGET)))$(DRAFT_SUFFIX)
+REPO ?= triton_repo
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+OPENAI_PORT ?=
+VERIFY_PROMPTS ?= 4
+VERIFY_MAX_TOKENS ?= 32
+.PHONY: triton-repo serve verify
+
+triton-repo: setup
+	test -f $(ENGINE)/config.json || $(MAKE) build-engines TARGET=$(TARGET) DRAFT=$(DRAFT)
+	$(SPECPIPE) triton-repo --engine $(ENGINE) --output $(REPO)
+
+# Runs until Ctrl-C; OPENAI_PORT=P also serves the OpenAI-compatible API.
+serve: triton-repo
+	$(SPECPIPE) serve --repo $(REPO) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+	  --metrics-port $(METRICS_PORT) $(if $(OPENAI_PORT),--openai-port $(OPENAI_PORT))
+
+# Against a running server (make serve in another terminal).
+verify: setup
+	$(SPECPIPE) verify --url 127.0.0.1:$(GRPC_PORT) --target $(TARGET) --num-prompts $(VERIFY_PROMPTS) \
+	  --max-tokens $(VERIFY_MAX_TOKENS) --report reports/verify.json
+
+# Build the engine, generate the repository, start tritonserver, verify against Hugging Face, stop.
+demo: triton-repo
+	$(SPECPIPE) verify --repo $(REPO) --target $(TARGET) --num-prompts $(VERIFY_PROMPTS) \
+	  --max-tokens $(VERIFY_MAX_TOKENS) --report reports/demo-verify.json

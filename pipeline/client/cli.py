@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
 
 from pipeline.client.client import ENSEMBLE, TEXT_MODELS, Sampling, TritonRequestError, generate
 from pipeline.errors import UserError
+from pipeline.triton.server import TritonServer, free_ports
 
 DEFAULT_GRPC_URL = "127.0.0.1:8001"
 DEFAULT_VERIFY_PROMPTS = 8
@@ -29,6 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     verify = sub.add_parser("verify", help="compare the server's greedy tokens with Hugging Face generate")
     verify.add_argument("--url", default=DEFAULT_GRPC_URL, help="the server's gRPC host:port")
+    verify.add_argument("--repo", type=Path, help="start tritonserver on this model repository for the run "
+                                                  "(free local ports) instead of using --url")
     verify.add_argument("--prompts", type=Path, help="JSONL with `prompt` or `turns` (default: MT-bench first turns)")
     verify.add_argument("--target", required=True, help="the engine's target: smollm2, a model folder or a .gguf file")
     verify.add_argument("--max-tokens", type=int, default=64)
@@ -63,11 +67,20 @@ def run_verify(args: argparse.Namespace) -> int:
     from pipeline.client.verify import format_table, verify, write_report
 
     prompts = load_prompts(args.prompts, args.num_prompts)
-    try:
-        results = verify(args.url, args.target, prompts, args.max_tokens)
-    except TritonRequestError as exc:
-        raise UserError(f"tensorrt_llm at {args.url}: {exc}") from None
+    with contextlib.ExitStack() as stack:
+        url = args.url
+        if args.repo is not None:
+            log_file = args.report.with_name(f"{args.report.stem}-tritonserver.log")
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            print(f"starting tritonserver on {args.repo} (log: {log_file})", file=sys.stderr)
+            log = stack.enter_context(open(log_file, "w"))
+            url = stack.enter_context(TritonServer(args.repo, free_ports(), log=log)).grpc_url
+        try:
+            results = verify(url, args.target, prompts, args.max_tokens)
+        except TritonRequestError as exc:
+            raise UserError(f"tensorrt_llm at {url}: {exc}") from None
     print(format_table(results))
-    write_report(results, args.report, {"url": args.url, "target": str(args.target), "max_tokens": args.max_tokens})
+    write_report(results, args.report, {"url": url, "repo": None if args.repo is None else str(args.repo),
+                                        "target": str(args.target), "max_tokens": args.max_tokens})
     print(f"report: {args.report}", file=sys.stderr)
     return 1 if any(not r.match for r in results) else 0
