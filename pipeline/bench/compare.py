@@ -25,6 +25,7 @@ from pipeline.bench.report import write_report
 from pipeline.bench.stream_client import StreamError
 from pipeline.bench.vllm_server import (NGRAM_CONFIG, VllmMode, VllmOptions, VllmServer, VllmStartError,
                                         ensure_vllm_installed, export_target)
+from pipeline.engine.config import SPECPIPE_FILE, EngineDir
 from pipeline.errors import UserError, atomic_output_dir
 
 OURS = "ours"
@@ -65,12 +66,23 @@ def vllm_mode(name: str, cfg: CompareConfig) -> VllmMode | str:
     if name == VLLM_PLAIN:
         return VllmMode(name)
     if name == VLLM_NGRAM:
-        return VllmMode(name, NGRAM_CONFIG)
+        return VllmMode(name, ngram_config_like(cfg.engine))
     draft = cfg.vllm_eagle if name == VLLM_EAGLE else cfg.vllm_medusa
     if draft is None:
         return f"skipped: no draft given (--{name}) in the format vLLM reads"
     method = "eagle" if name == VLLM_EAGLE else "medusa"
     return VllmMode(name, {"method": method, "model": str(draft), "num_speculative_tokens": DRAFT_TOKENS})
+
+
+def ngram_config_like(engine: Path) -> dict[str, Any]:
+    """vLLM's ngram settings matched to our engine's (same k and n range) when it is an ngram engine."""
+    if not (engine / SPECPIPE_FILE).is_file():
+        return NGRAM_CONFIG
+    spec = EngineDir.load(engine).spec
+    if spec.mode != "ngram" or spec.ngram is None:
+        return NGRAM_CONFIG
+    return {"method": "ngram", "num_speculative_tokens": spec.ngram.k, "prompt_lookup_min": spec.ngram.min_n,
+            "prompt_lookup_max": spec.ngram.max_n}
 
 
 def machine_info(vllm_python: Path | None) -> dict[str, Any]:
