@@ -25,7 +25,7 @@ UNSUPPORTED_SCALARS = {
     "frequency_penalty": 0.0, "min_tokens": 0,
 }
 UNSUPPORTED_LISTS = ("draft_input_ids", "draft_logits", "embedding_bias")
-# (input, metric name, description) of the acceptance counters exported on the metrics port.
+# (key, metric name, description) of the acceptance counters exported on the metrics port.
 COUNTERS = (
     ("requests", "specpipe_requests_total", "Requests completed by the portable engine"),
     ("generated", "specpipe_generated_tokens_total", "Tokens generated"),
