@@ -164,3 +164,34 @@ def build_tree(choices: Choices) -> TreeBuffers:
         retrieve_paths=torch.tensor(paths, dtype=torch.long),
         max_depth=max_depth,
     )
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One step's candidates: a tree shape plus the token at each node (node 0 = the root token)."""
+
+    tokens: torch.Tensor  # [T] long
+    parents: torch.Tensor  # [T] long, -1 for the root
+    depths: torch.Tensor  # [T] long
+    mask: torch.Tensor  # [T, T] bool ancestor-or-self
+    max_depth: int  # host-side bound on depths, sizes the fixed-length acceptance buffers
+    # [T, V] distribution node i's token was drawn from; None means chosen deterministically
+    # (top-k ranks, prompt lookup), which speculative sampling treats as a one-hot proposal.
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @classmethod
+    def from_buffers(cls, tokens: torch.Tensor, buffers: TreeBuffers,
+                     draft_probs: torch.Tensor | None = None) -> "DraftTree":
+        return cls(tokens, buffers.parents, buffers.depths, buffers.mask, buffers.max_depth, draft_probs)
+
+
+def chain_buffers(length: int, device: torch.device | str = "cpu") -> TreeBuffers:
+    """A root followed by `length` nodes in a line (length 0: the root alone, i.e. plain decoding)."""
+    return build_tree(chain(length)).to(device) if length else TreeBuffers(
+        parents=torch.tensor([-1], device=device), depths=torch.zeros(1, dtype=torch.long, device=device),
+        ranks=torch.zeros(1, dtype=torch.long, device=device), mask=torch.ones(1, 1, dtype=torch.bool, device=device),
+        retrieve_paths=torch.zeros(1, 1, dtype=torch.long, device=device), max_depth=0)

@@ -1,0 +1,137 @@
+"""Build an Engine from an engine directory: target weights, tokenizer, and the proposer its mode needs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pipeline.engine.config import EngineDir, SpecConfig
+from pipeline.engine.draft_model import DraftModelProposer
+from pipeline.engine.eagle import Eagle3Net, EagleNet, EagleProposer
+from pipeline.engine.medusa import MedusaProposer, medusa_heads
+from pipeline.engine.model import ModelConfig, Transformer
+from pipeline.engine.ngram import NgramProposer
+from pipeline.engine.runner import Engine
+from pipeline.engine.speculative import Proposer
+from pipeline.engine.tree import build_tree
+from pipeline.engine.weights import engine_state_dict, load_into
+from pipeline.errors import UserError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def build_transformer(config: dict, tensors: dict[str, torch.Tensor], what: str) -> Transformer:
+    model = Transformer(ModelConfig.from_pretrained_config(config, set(tensors)))
+    state = engine_state_dict(tensors, "transformer.", "")
+    state["lm_head.weight"] = tensors.get("lm_head.weight", tensors["transformer.vocab_embedding.weight"])
+    load_into(model, state, what)
+    return model
+
+
+def load_engine(engine: EngineDir, device: torch.device, dtype: torch.dtype | None) -> Engine:
+    from transformers import AutoTokenizer
+
+    from pipeline.convert.checkpoint import read_checkpoint
+
+    if engine.backend != "portable":
+        raise UserError(f"{engine.path}: a {engine.backend!r} engine runs in TensorRT-LLM, not the portable engine; "
+                        "build with --backend portable")
+    config, tensors = read_checkpoint(engine.path)
+    dtype = dtype or DTYPES[config.get("dtype", "float32")]
+    target = build_transformer(config, tensors, str(engine.path)).to(device, dtype).eval()
+    limits = engine.limits
+    proposer = make_proposer(engine, config, tensors, target, device, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(engine.tokenizer_dir)
+    return Engine(target, tokenizer, limits, engine.spec, proposer)
+
+
+def make_proposer(engine: EngineDir, config: dict, tensors: dict[str, torch.Tensor], target: Transformer,
+                  device: torch.device, dtype: torch.dtype) -> Proposer | None:
+    spec: SpecConfig = engine.spec
+    slots = engine.limits.max_seq_len
+    if spec.mode == "none":
+        return None
+    if spec.mode == "ngram":
+        return NgramProposer(spec.ngram, device)
+    if spec.mode == "medusa":
+        heads = medusa_heads(config["num_medusa_heads"], config.get("num_medusa_layers", 1), target.cfg.hidden_size,
+                             target.cfg.vocab_size, config.get("hidden_act", "silu"))
+        load_into(heads, engine_state_dict(tensors, "medusa_heads.", ""), f"{engine.path} medusa heads")
+        return MedusaProposer(_ready(heads, device, dtype), build_tree(spec.choices).to(device))
+    if spec.mode == "eagle":
+        net = EagleNet(ModelConfig.from_pretrained_config(config["eagle_net_config"], set(tensors)),
+                       fc_bias="eagle_nets.0.drafter.fc.bias" in tensors)
+        state = engine_state_dict(tensors, "eagle_nets.0.", "drafter.")
+        load_into(net, state, f"{engine.path} eagle draft")
+        return _eagle(net, spec, slots, device, dtype)
+    if spec.mode == "eagle3":
+        return _eagle(load_eagle3(engine.draft_dir, target), spec, slots, device, dtype)
+    if spec.mode == "draft_model":
+        from pipeline.convert.checkpoint import read_checkpoint
+
+        draft_config, draft_tensors = read_checkpoint(engine.draft_dir)
+        draft = build_transformer(draft_config, draft_tensors, str(engine.draft_dir))
+        return DraftModelProposer(_ready(draft, device, dtype), spec.max_draft_len, slots)
+    raise UserError(f"{engine.path}: speculative mode {spec.mode!r} has no portable runtime")
+
+
+def _ready(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    return module.to(device, dtype).eval()
+
+
+def _eagle(net: nn.Module, spec: SpecConfig, slots: int, device: torch.device, dtype: torch.dtype) -> EagleProposer:
+    tree = None if spec.dynamic_tree else build_tree(spec.choices).to(device)
+    return EagleProposer(_ready(net, device, dtype), slots, tree, spec.dynamic_tree, spec.max_draft_len)
+
+
+# EAGLE-3 drafts stay in the EAGLE reference layout (Hugging Face names) inside draft/.
+EAGLE3_RENAMES = {
+    "midlayer.self_attn.o_proj.weight": "midlayer.attention.dense.weight",
+    "midlayer.mlp.down_proj.weight": "midlayer.mlp.proj.weight",
+    "midlayer.post_attention_layernorm.weight": "midlayer.post_layernorm.weight",
+    "embed_tokens.weight": "vocab_embedding.weight",
+}
+
+
+def eagle3_capture_layers(num_layers: int) -> tuple[int, ...]:
+    """TensorRT-LLM's default Eagle3 capture: the outputs of layers 1, L/2 - 1 and L - 4."""
+    return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+def load_eagle3(draft_dir: Path, target: Transformer) -> Eagle3Net:
+    from safetensors.torch import load_file
+
+    cfg_path = draft_dir / "config.json"
+    if not cfg_path.is_file():
+        raise UserError(f"{cfg_path}: EAGLE-3 draft config not found; reconvert with --eagle3")
+    hf = json.loads(cfg_path.read_text())
+    tensors = load_file(str(draft_dir / "model.safetensors"))
+    t = target.cfg
+    cfg = ModelConfig(
+        vocab_size=t.vocab_size, hidden_size=hf.get("hidden_size", t.hidden_size),
+        num_layers=1, num_heads=hf.get("num_attention_heads", t.num_heads),
+        num_kv_heads=hf.get("num_key_value_heads", t.num_kv_heads),
+        head_size=hf.get("head_dim") or hf.get("hidden_size", t.hidden_size) // hf.get("num_attention_heads", t.num_heads),
+        intermediate_size=hf.get("intermediate_size", t.intermediate_size),
+        norm_epsilon=hf.get("rms_norm_eps", t.norm_epsilon), rope_theta=t.rope_theta, rope_scaling=t.rope_scaling,
+        max_position_embeddings=t.max_position_embeddings)
+    draft_vocab = tensors["lm_head.weight"].shape[0] if "lm_head.weight" in tensors else t.vocab_size
+    layers = tuple(hf.get("eagle3_layers_to_capture") or eagle3_capture_layers(t.num_layers))
+    net = Eagle3Net(cfg, layers, draft_vocab, fc_bias="fc.bias" in tensors)
+    state = {}
+    qkv = [tensors.pop(f"midlayer.self_attn.{x}_proj.weight") for x in "qkv"]
+    state["midlayer.attention.qkv.weight"] = torch.cat(qkv)
+    fc, gate = tensors.pop("midlayer.mlp.gate_proj.weight"), tensors.pop("midlayer.mlp.up_proj.weight")
+    state["midlayer.mlp.fc_gate.weight"] = torch.cat([fc, gate])
+    tensors.pop("t2d", None)  # the inverse map; only d2t is needed to emit target ids
+    for name, tensor in tensors.items():
+        state[EAGLE3_RENAMES.get(name, name)] = tensor
+    state.setdefault("vocab_embedding.weight", target.vocab_embedding.weight.detach())
+    state.setdefault("lm_head.weight", target.lm_head.weight.detach())
+    state.setdefault("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+    load_into(net, state, f"{draft_dir} eagle3 draft")
+    net.d2t.copy_(state["d2t"].long())
+    return net

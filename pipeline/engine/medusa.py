@@ -1,0 +1,68 @@
+"""Medusa: extra decoding heads on the target's last hidden state propose top-k tokens per depth.
+
+Head h applied to the hidden state that produced token t+1 guesses token t+2+h. Every node at
+depth d of the tree takes the rank-th best guess of head d-1, so one head call per step fills the
+whole static tree.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeline.engine.acceptance import Acceptance
+from pipeline.engine.model import SUPPORTED_ACTIVATIONS
+from pipeline.engine.speculative import StepInput, TargetPass
+from pipeline.engine.tree import DraftTree, TreeBuffers
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden: int, act: str):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        self.act = SUPPORTED_ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+class MedusaHead(nn.Module):
+    def __init__(self, hidden: int, vocab: int, num_layers: int, act: str):
+        super().__init__()
+        self.medusa_layers = nn.ModuleList(ResBlock(hidden, act) for _ in range(num_layers))
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.medusa_layers:
+            x = block(x)
+        return self.lm_head(x)
+
+
+def medusa_heads(num_heads: int, num_layers: int, hidden: int, vocab: int, act: str) -> nn.ModuleList:
+    """Module names match the checkpoint: medusa_heads.{h}.medusa_layers.{l}.linear, medusa_heads.{h}.lm_head."""
+    return nn.ModuleList(MedusaHead(hidden, vocab, num_layers, act) for _ in range(num_heads))
+
+
+class MedusaProposer:
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, heads: nn.ModuleList, tree: TreeBuffers):
+        self.heads = heads[:tree.max_depth]  # deeper heads have no node to fill
+        self.tree = tree
+        self.top_k = int(tree.ranks.max()) + 1
+        self.node_head = (tree.depths - 1).clamp(min=0)
+        self.max_nodes = tree.num_nodes
+        self.hidden: torch.Tensor | None = None  # [1, H] hidden state of the last accepted token
+
+    def start(self, prompt: torch.Tensor, target: TargetPass, first: torch.Tensor) -> None:
+        self.hidden = target.hidden[-1:]
+
+    def propose(self, step: StepInput) -> DraftTree:
+        guesses = torch.stack([head(self.hidden)[0] for head in self.heads])  # [depth, V]
+        top = guesses.topk(self.top_k, dim=-1).indices
+        tokens = top[self.node_head, self.tree.ranks]
+        tokens = torch.cat([step.root, tokens[1:]])
+        return DraftTree.from_buffers(tokens, self.tree)
+
+    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int, target: TargetPass, length: int) -> None:
+        self.hidden = target.hidden.index_select(0, acc.last_node)

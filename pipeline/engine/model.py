@@ -1,0 +1,281 @@
+"""Llama-family transformer over TensorRT-LLM checkpoint names, with a static KV cache.
+
+One forward serves prefill, plain decode and tree verification: the caller says where each new
+token sits (`positions`, for RoPE), which cache slot it writes (`slots`), and which slots it may
+read (`mask`). A tree node's position is prefix + depth while its slot is prefix + node index, so
+siblings share a position but never a slot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.errors import UserError
+
+SUPPORTED_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    intermediate_size: int
+    norm_epsilon: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    hidden_act: str = "silu"
+    qkv_bias: bool = False
+    dense_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_pretrained_config(cls, cfg: dict[str, Any], tensor_names: set[str] | None = None) -> "ModelConfig":
+        """Read TensorRT-LLM's LLaMA config fields; biases follow the tensors actually present."""
+        names = tensor_names or set()
+        heads = cfg["num_attention_heads"]
+        try:
+            return cls(
+                vocab_size=cfg["vocab_size"],
+                hidden_size=cfg["hidden_size"],
+                num_layers=cfg["num_hidden_layers"],
+                num_heads=heads,
+                num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_size=cfg.get("head_size") or cfg["hidden_size"] // heads,
+                intermediate_size=cfg["intermediate_size"],
+                norm_epsilon=cfg.get("norm_epsilon", 1e-5),
+                rope_theta=cfg.get("rotary_base", 10000.0),
+                rope_scaling=cfg.get("rotary_scaling"),
+                max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+                hidden_act=cfg.get("hidden_act", "silu"),
+                qkv_bias=any(n.endswith("attention.qkv.bias") for n in names),
+                dense_bias=any(n.endswith("attention.dense.bias") for n in names),
+                mlp_bias=any(n.endswith("mlp.fc.bias") for n in names),
+            )
+        except KeyError as exc:
+            raise UserError(f"config.json: missing field {exc.args[0]!r}; reconvert the checkpoint") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary embedding
+
+
+def rope_inv_freq(head_size: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies for RoPE, with Hugging Face's `linear` and `llama3` scalings."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.float64) / head_size))
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "default":
+        return inv_freq
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        original = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= original / low) & (wavelen >= original / high)
+        return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    raise UserError(f"rotary_scaling type {kind!r} is not supported; supported: default, linear, llama3")
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position, gathered per token (positions may repeat in a tree)."""
+
+    def __init__(self, head_size: int, theta: float, scaling: dict[str, Any] | None, max_positions: int):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_size, theta, scaling)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, heads, D]; positions: [B, T]. GPT-NeoX (rotate-half) layout, as HF Llama."""
+        cos = self.cos[positions].unsqueeze(2).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(2).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+
+
+class KVCache:
+    """Preallocated per-layer K/V indexed by slot: [layers, batch, slots, kv_heads, head_size].
+
+    Rolling back rejected draft tokens costs nothing: their slots are masked and overwritten.
+    """
+
+    def __init__(self, num_layers: int, batch: int, slots: int, kv_heads: int, head_size: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, batch, slots, kv_heads, head_size)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[2]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
+        self.k[layer, rows, slots] = k
+        self.v[layer, rows, slots] = v
+
+    def read(self, layer: int, attn_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer, :, :attn_len], self.v[layer, :, :attn_len]
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slots src -> dst (batch 0) in every layer: compacts an accepted tree path."""
+        self.k[:, 0, dst] = self.k[:, 0, src]
+        self.v[:, 0, dst] = self.v[:, 0, src]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers (parameter names follow the TensorRT-LLM checkpoint)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like Hugging Face, then cast back: bf16 variance loses digits.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, in_features: int | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_size = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_size
+        self.qkv = nn.Linear(in_features or cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
+        self.dense = nn.Linear(cfg.num_heads * cfg.head_size, cfg.hidden_size, bias=cfg.dense_bias)
+
+    def forward(self, x: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.num_heads * self.head_size, self.num_kv_heads * self.head_size, self.num_kv_heads * self.head_size], -1)
+        q = ctx.rotary(q.view(b, t, self.num_heads, self.head_size), ctx.positions)
+        k = ctx.rotary(k.view(b, t, self.num_kv_heads, self.head_size), ctx.positions)
+        ctx.cache.write(layer, ctx.slots, k, v.view(b, t, self.num_kv_heads, self.head_size))
+        keys, values = ctx.cache.read(layer, ctx.attn_len)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=ctx.mask, is_causal=ctx.is_causal, enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.dense(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """proj(act(fc(x)) * gate(x)); fc (HF gate_proj) and gate (HF up_proj) run as one fused GEMM."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc_gate = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = SUPPORTED_ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc, gate = self.fc_gate(x).chunk(2, dim=-1)
+        return self.proj(self.act(fc) * gate)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, input_norm: bool = True):
+        super().__init__()
+        # EAGLE-1 draft layers skip the input norm: their input is already a fused feature.
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon) if input_norm else nn.Identity()
+        self.attention = Attention(cfg)
+        self.post_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
+        x = x + self.attention(self.input_layernorm(x), ctx, layer)
+        return x + self.mlp(self.post_layernorm(x))
+
+
+@dataclass
+class ForwardContext:
+    """Where the new tokens sit and what they may read; shared by every layer of one forward."""
+
+    positions: torch.Tensor  # [B, T] RoPE positions
+    slots: torch.Tensor  # [B, T] cache slots written
+    cache: KVCache
+    attn_len: int  # slots [0, attn_len) are read
+    mask: torch.Tensor | None  # [B, 1, T, attn_len] bool, True = may attend; None with is_causal or all-visible
+    is_causal: bool
+    rotary: Rotary
+
+
+def attention_mask(prefix_len: int, tree_mask: torch.Tensor, attn_len: int) -> torch.Tensor:
+    """[1, 1, T, attn_len]: every new token sees the whole prefix, and the new tokens `tree_mask` allows."""
+    t = tree_mask.shape[0]
+    mask = torch.zeros(t, attn_len, dtype=torch.bool, device=tree_mask.device)
+    mask[:, :prefix_len] = True
+    mask[:, prefix_len:prefix_len + t] = tree_mask
+    return mask[None, None]
+
+
+def make_context(cache: KVCache, rotary: Rotary, prefix_len: int, positions: torch.Tensor,
+                 tree_mask: torch.Tensor | None) -> ForwardContext:
+    """Context for T new tokens written to slots prefix_len..prefix_len+T-1 (batch 1).
+
+    tree_mask None means causal among the new tokens; a single token needs no mask at all.
+    """
+    t = positions.shape[-1]
+    slots = torch.arange(prefix_len, prefix_len + t, device=positions.device)[None]
+    attn_len = prefix_len + t
+    if tree_mask is None and (t == 1 or prefix_len == 0):
+        return ForwardContext(positions.view(1, t), slots, cache, attn_len, None, t > 1, rotary)
+    if tree_mask is None:
+        tree_mask = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
+    return ForwardContext(positions.view(1, t), slots, cache, attn_len,
+                          attention_mask(prefix_len, tree_mask, attn_len), False, rotary)
+
+
+class Transformer(nn.Module):
+    """The target (and draft-model) network. Returns final-norm hidden states; logits on demand."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.ln_f = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    def new_cache(self, slots: int, batch: int = 1) -> KVCache:
+        p = self.lm_head.weight
+        return KVCache(self.cfg.num_layers, batch, slots, self.cfg.num_kv_heads, self.cfg.head_size, p.dtype, p.device)
+
+    def forward(self, tokens: torch.Tensor, ctx: ForwardContext,
+                capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """tokens [B, T] -> (final hidden [B, T, H], residual stream after each layer in `capture`)."""
+        x = self.vocab_embedding(tokens)
+        captured = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, i)
+            if i in capture:
+                captured.append(x)
+        return self.ln_f(x), captured
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,47 @@
+"""N-gram (prompt lookup) drafting: continue the latest earlier occurrence of the last n tokens.
+
+No weights: the history (prompt + output) is searched on the host for the longest suffix of
+length max_n..min_n that occurred before, and the up-to-k tokens that followed it are proposed
+as a chain. With no match the step is a plain decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.engine.acceptance import Acceptance
+from pipeline.engine.config import NgramConfig
+from pipeline.engine.speculative import StepInput, TargetPass
+from pipeline.engine.tree import DraftTree, chain_buffers
+
+
+def lookup(history: list[int], cfg: NgramConfig) -> list[int]:
+    """Tokens that followed the most recent earlier match of the longest matching suffix."""
+    size = len(history)
+    for n in range(min(cfg.max_n, size - 1), cfg.min_n - 1, -1):
+        suffix = history[size - n:]
+        for start in range(size - n - 1, -1, -1):
+            if history[start:start + n] == suffix:
+                return history[start + n:start + n + cfg.k]
+    return []
+
+
+class NgramProposer:
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, cfg: NgramConfig, device: torch.device | str):
+        self.cfg = cfg
+        self.device = device
+        self.chains = [chain_buffers(n, device) for n in range(cfg.k + 1)]
+        self.max_nodes = cfg.k + 1
+
+    def start(self, prompt: torch.Tensor, target: TargetPass, first: torch.Tensor) -> None:
+        pass
+
+    def propose(self, step: StepInput) -> DraftTree:
+        guess = lookup(step.history, self.cfg)
+        tokens = torch.cat([step.root, torch.tensor(guess, dtype=torch.long, device=self.device)])
+        return DraftTree.from_buffers(tokens, self.chains[len(guess)])
+
+    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int, target: TargetPass, length: int) -> None:
+        pass

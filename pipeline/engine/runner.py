@@ -1,0 +1,169 @@
+"""The portable engine: load an engine directory, then prefill + speculative decode, one request at a time.
+
+generate -> validate -> prefill (target over the prompt, first token) -> loop:
+  propose (tree) -> verify (one target pass over the tree) -> accept (path + bonus token)
+  -> compact the accepted path's KV -> one host copy of the new tokens -> stop checks -> stream.
+Plain decoding is the same loop with a one-node tree.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from pipeline.engine.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
+from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
+from pipeline.engine.model import Transformer, make_context
+from pipeline.engine.sampling import RequestError, SamplingParams, choose
+from pipeline.engine.speculative import PlainProposer, Proposer, StepInput, TargetPass
+from pipeline.engine.stats import SpecStats
+from pipeline.engine.tree import DraftTree
+
+__all__ = ["Engine", "GenerationResult", "RequestError", "SamplingParams", "StreamChunk", "SpecStats"]
+
+# Extra characters decoded around a stop word, so that a word split across tokens is still seen.
+STOP_WORD_TOKEN_MARGIN = 4
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated only; includes the end id when generation stopped on it
+    text: str
+    finish_reason: str  # "length" | "end_id" | "stop"
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+@dataclass
+class StreamChunk:
+    token_ids: list[int]  # new since the previous chunk
+    finished: bool
+    result: GenerationResult | None = None
+
+
+class _StopChecker:
+    """Applies end id, max_tokens and stop words to each new token, in order."""
+
+    def __init__(self, params: SamplingParams, end_id: int | None, tokenizer):
+        self.params, self.end_id, self.tokenizer = params, end_id, tokenizer
+        self.window = max((len(w) for w in params.stop_words), default=0) + STOP_WORD_TOKEN_MARGIN
+        self.reason: str | None = None
+
+    def take(self, out: list[int], new: list[int]) -> list[int]:
+        """Append new tokens to `out` until a stop condition; return those appended."""
+        taken = []
+        for tok in new:
+            out.append(tok)
+            taken.append(tok)
+            if self.end_id is not None and tok == self.end_id:
+                self.reason = "end_id"
+            elif len(out) >= self.params.max_tokens:
+                self.reason = "length"
+            elif self.params.stop_words and self._hit_stop_word(out):
+                self.reason = "stop"
+            if self.reason:
+                break
+        return taken
+
+    def _hit_stop_word(self, out: list[int]) -> bool:
+        tail = self.tokenizer.decode(out[-self.window:], skip_special_tokens=True)
+        return any(tail.endswith(w) for w in self.params.stop_words)
+
+
+class Engine:
+    def __init__(self, target: Transformer, tokenizer, limits: EngineLimits, spec: SpecConfig,
+                 proposer: Proposer | None = None):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.spec = spec
+        self.device = target.lm_head.weight.device
+        self.proposer: Proposer = proposer or PlainProposer(self.device)
+        self.cache = target.new_cache(limits.max_seq_len + self.proposer.max_nodes)
+        self._lock = threading.Lock()  # one KV cache: requests run one at a time
+
+    @classmethod
+    def from_dir(cls, engine_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> "Engine":
+        from pipeline.engine.loader import load_engine
+
+        return load_engine(EngineDir.load(engine_dir), torch.device(device), dtype)
+
+    # ------------------------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        params.check()
+        n = len(prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty; send at least one token of text")
+        if n > self.limits.max_input_len:
+            raise RequestError(f"the prompt has {n} tokens, over this engine's max_input_len {self.limits.max_input_len}")
+        if n + params.max_tokens > self.limits.max_seq_len:
+            raise RequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds this engine's "
+                               f"max_seq_len {self.limits.max_seq_len}; lower max_tokens")
+        vocab = self.target.cfg.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        for chunk in self.stream(prompt_ids, params):
+            if chunk.finished:
+                return chunk.result
+        raise AssertionError("stream ended without a final chunk")
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
+        self.validate(prompt_ids, params)
+        with self._lock, torch.inference_mode():
+            yield from self._decode(list(prompt_ids), params)
+
+    # ------------------------------------------------------------------------------------------
+    def _decode(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
+        generator = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
+        end_id = self.tokenizer.eos_token_id if params.end_id is None else (None if params.end_id < 0 else params.end_id)
+        stop = _StopChecker(params, end_id, self.tokenizer)
+        stats = SpecStats()
+        out: list[int] = []
+
+        prompt = torch.tensor(prompt_ids, device=self.device)
+        target = self._forward(prompt, 0, torch.arange(len(prompt_ids), device=self.device), None)
+        root = choose(self.target.logits(target.hidden[-1:]), params, generator)
+        self.proposer.start(prompt, target, root)
+        length = len(prompt_ids)
+        new = stop.take(out, root.tolist())
+
+        while not stop.reason:
+            yield StreamChunk(new, False)
+            step = StepInput(root, length, prompt_ids + out, params, generator)
+            tree = self.proposer.propose(step)
+            target = self._forward(tree.tokens, length, length + tree.depths, tree.mask if tree.num_nodes > 1 else None)
+            acc = self._accept(tree, self.target.logits(target.hidden), params, generator)
+            if tree.num_nodes > 1:
+                slots = torch.arange(length, length + tree.max_depth + 1, device=self.device)
+                self.cache.move(length + acc.path, slots)
+            host = torch.cat([acc.tokens, acc.num_accepted.view(1)]).tolist()  # the step's one sync
+            num_accepted = host[-1]
+            stats.record(tree.num_nodes - 1, tree.max_depth, num_accepted)
+            self.proposer.update(tree, acc, num_accepted, target, length)
+            length += num_accepted + 1
+            root = acc.tokens[num_accepted].view(1)
+            new = stop.take(out, host[:num_accepted + 1])
+
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        result = GenerationResult(prompt_ids, out, text, stop.reason, stats)
+        yield StreamChunk(new, True, result)
+
+    def _forward(self, tokens: torch.Tensor, prefix_len: int, positions: torch.Tensor,
+                 tree_mask: torch.Tensor | None) -> TargetPass:
+        ctx = make_context(self.cache, self.target.rotary, prefix_len, positions, tree_mask)
+        hidden, captured = self.target(tokens[None], ctx, self.proposer.capture_layers)
+        return TargetPass(hidden[0], [c[0] for c in captured])
+
+    def _accept(self, tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator) -> Acceptance:
+        if params.greedy:
+            return accept_greedy(tree, logits)
+        if self.spec.acceptance == "typical":
+            return accept_typical(tree, logits, params, self.spec.typical_acceptance, generator)
+        return accept_sampling(tree, logits, params, generator)

@@ -1,0 +1,69 @@
+"""The proposer interface every drafting method implements, and plain decoding as its trivial case.
+
+Each decode step: the proposer lays out a tree whose root is the last emitted token; the target
+verifies the whole tree in one pass; the proposer then sees which path was accepted and the
+target's hidden states, and updates its own state (heads' input, draft KV cache, history).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pipeline.engine.acceptance import Acceptance
+from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.tree import DraftTree, TreeBuffers, chain_buffers
+
+
+@dataclass(frozen=True)
+class TargetPass:
+    """What one target forward produced for its new tokens (batch 1)."""
+
+    hidden: torch.Tensor  # [T, H] after the final norm: the LM head's input
+    captured: list[torch.Tensor]  # [T, H] residual stream after each layer in Proposer.capture_layers
+
+
+@dataclass
+class StepInput:
+    """What a proposer may read to draft the next tree."""
+
+    root: torch.Tensor  # [1] the last emitted token, not yet in the target's cache
+    length: int  # target cache length; the root sits at this position
+    history: list[int]  # prompt + emitted tokens (host copy, root included)
+    params: SamplingParams
+    generator: torch.Generator
+
+
+class Proposer(Protocol):
+    capture_layers: tuple[int, ...]
+    max_nodes: int  # the largest tree it proposes, root included (sizes the KV cache headroom)
+
+    def start(self, prompt: torch.Tensor, target: TargetPass, first: torch.Tensor) -> None:
+        """After the prefill: prompt [n], the target's pass over it, and the first token [1]."""
+
+    def propose(self, step: StepInput) -> DraftTree:
+        ...
+
+    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int, target: TargetPass, length: int) -> None:
+        """After verification of `tree` at cache offset `length`; num_accepted is the host copy."""
+
+
+class PlainProposer:
+    """No drafting: the tree is the root alone, so each step is one plain decode step."""
+
+    capture_layers: tuple[int, ...] = ()
+    max_nodes = 1
+
+    def __init__(self, device: torch.device | str):
+        self.buffers: TreeBuffers = chain_buffers(0, device)
+
+    def start(self, prompt: torch.Tensor, target: TargetPass, first: torch.Tensor) -> None:
+        pass
+
+    def propose(self, step: StepInput) -> DraftTree:
+        return DraftTree.from_buffers(step.root, self.buffers)
+
+    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int, target: TargetPass, length: int) -> None:
+        pass
