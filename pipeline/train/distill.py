@@ -1,0 +1,138 @@
+"""Self-distillation data: the target's own greedy continuations of the prompts, with its features.
+
+Drafts trained on what the target itself says accept far more than drafts trained on human text.
+Sequences are stored right-padded in one tensor; `prompt_lens` marks where the target's text starts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from pipeline.train.target import extract_features
+
+
+@torch.no_grad()
+def greedy_continuations(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
+                         eos_id: int, pad_id: int, time_budget_s: float) -> tuple[list[list[int]], list[int]]:
+    """(prompt + greedy continuation through the first EOS, prompt length) per prompt; prompts of
+    similar length are batched together.
+
+    Stops early, keeping finished batches, once `time_budget_s` is spent."""
+    device = next(model.parameters()).device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = []
+    prompt_lens: list[int] = []
+    start = time.monotonic()
+    bar = tqdm(range(0, len(order), batch_size), desc="self-distill", unit="batch")
+    for lo in bar:
+        if time.monotonic() - start > time_budget_s:
+            bar.write(f"self-distill: time budget spent after {len(out)} sequences")
+            break
+        batch = [prompts[i] for i in order[lo:lo + batch_size]]
+        width = max(map(len, batch))
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(batch):  # left padding: every prompt ends where generation starts
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id)
+        for row, p in enumerate(batch):
+            cont = gen[row, width:].tolist()
+            if eos_id in cont:
+                cont = cont[: cont.index(eos_id) + 1]
+            out.append(p + cont)
+            prompt_lens.append(len(p))
+    return out, prompt_lens
+
+
+@dataclass
+class DistillSet:
+    tokens: torch.Tensor  # [N, T] right-padded
+    lengths: torch.Tensor  # [N]
+    prompt_lens: torch.Tensor  # [N]
+    features: torch.Tensor | None = None  # [N, T, H] final features, the LM head's input
+    aux: torch.Tensor | None = None  # [N, T, 3H] EAGLE-3 fused-layer inputs
+
+    @classmethod
+    def from_sequences(cls, seqs: list[list[int]], prompt_lens: list[int], pad_id: int) -> "DistillSet":
+        width = max(map(len, seqs))
+        tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+        for row, s in enumerate(seqs):
+            tokens[row, : len(s)] = torch.tensor(s)
+        return cls(tokens, torch.tensor([len(s) for s in seqs]), torch.tensor(prompt_lens))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def num_generated(self) -> int:
+        return int((self.lengths - self.prompt_lens).sum())
+
+    def to(self, device: str) -> "DistillSet":
+        move = lambda t: None if t is None else t.to(device)
+        return DistillSet(move(self.tokens), move(self.lengths), move(self.prompt_lens), move(self.features),
+                          move(self.aux))
+
+    def subset(self, rows: torch.Tensor) -> "DistillSet":
+        width = int(self.lengths[rows].max())
+        pick = lambda t: None if t is None else t[rows, :width]
+        return DistillSet(pick(self.tokens), self.lengths[rows], self.prompt_lens[rows], pick(self.features),
+                          pick(self.aux))
+
+    def save_tokens(self, path) -> None:
+        """Compact, device-independent record of the sequences (uint16 ids: vocab < 65536)."""
+        flat = torch.cat([self.tokens[i, : int(n)] for i, n in enumerate(self.lengths)])
+        np.savez_compressed(path, tokens=flat.cpu().numpy().astype(np.uint16), lengths=self.lengths.cpu().numpy(),
+                            prompt_lens=self.prompt_lens.cpu().numpy())
+
+    @classmethod
+    def load_tokens(cls, path, pad_id: int) -> "DistillSet":
+        data = np.load(path)
+        flat, lengths = data["tokens"].astype(np.int64), data["lengths"]
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        seqs = [flat[bounds[i]:bounds[i + 1]].tolist() for i in range(len(lengths))]
+        return cls.from_sequences(seqs, data["prompt_lens"].tolist(), pad_id)
+
+
+@torch.no_grad()
+def attach_features(data: DistillSet, model: nn.Module, aux_layers: tuple[int, ...], batch_size: int,
+                    feature_dtype: torch.dtype, aux_dtype: torch.dtype) -> DistillSet:
+    """Fills `features` (and `aux` when aux_layers is non-empty) by running the frozen target once."""
+    device = next(model.parameters()).device
+    feats, auxes = [], []
+    for lo in tqdm(range(0, len(data.lengths), batch_size), desc="target features", unit="batch"):
+        final, aux = extract_features(model, data.tokens[lo:lo + batch_size].to(device), aux_layers)
+        feats.append(final.to(feature_dtype))
+        if aux is not None:
+            auxes.append(aux.to(aux_dtype))
+    data.features = torch.cat(feats)
+    data.aux = torch.cat(auxes) if auxes else None
+    return data
+
+
+def teacher_mask(data: DistillSet, shift: int, include_prompt: bool = False) -> torch.Tensor:
+    """[N, T] bool: position p is trained when the teacher feature p + shift exists and (unless
+    include_prompt) predicts a token of the target's own continuation."""
+    m = torch.arange(data.tokens.shape[1], device=data.tokens.device)[None, :] + shift
+    ok = m < data.lengths[:, None]
+    if not include_prompt:
+        ok &= m >= data.prompt_lens[:, None] - 1
+    return ok
+
+
+def random_batches(data: DistillSet, batch_size: int, seed: int):
+    """Endless shuffled mini-batches (epoch after epoch), each trimmed to its longest sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    batch_size = min(batch_size, len(data.lengths))
+    while True:
+        perm = torch.randperm(len(data.lengths), generator=gen)
+        for lo in range(0, len(perm) - batch_size + 1, batch_size):
+            yield data.subset(perm[lo:lo + batch_size].to(data.lengths.device))

@@ -1,0 +1,22 @@
+"""Losses shared by the trainers: distillation against the target's distribution, feature regression."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of -sum p_teacher log q_student (KL to the teacher plus a constant)."""
+    teacher = torch.softmax(teacher_logits.float(), dim=-1)
+    return -(teacher * F.log_softmax(student_logits.float(), dim=-1)).sum(-1).mean()
+
+
+def feature_regression(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """EAGLE's smooth-L1 on features, averaged over rows (summed over the hidden dimension / H)."""
+    return F.smooth_l1_loss(predicted.float(), target.float())
+
+
+def step_weights(steps: int, decay: float) -> list[float]:
+    """decay ** s for unrolled step (or Medusa head) s: later steps matter less and are harder."""
+    return [decay ** s for s in range(steps)]

@@ -1,0 +1,205 @@
+"""The whole training run: self-distill, extract features once, train each draft, evaluate, save.
+
+One call does everything so a single GPU lease covers it; each method has its own time budget and a
+method that fails is reported and skipped so the others still come back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tarfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from pipeline.errors import atomic_output_dir
+from pipeline.train import draft_model, eagle, eagle3, medusa
+from pipeline.train.data import PromptSet
+from pipeline.train.distill import DistillSet, attach_features, greedy_continuations, random_batches
+from pipeline.train.eval import ChainStats, chain_stats, format_table
+from pipeline.train.loop import TrainLog, TrainSettings, plot_log, train
+from pipeline.train.target import FrozenHead, eagle3_layers, layer_shape
+
+METHODS = ("medusa", "eagle", "draft", "eagle3")
+FOLDERS = {"medusa": "smollm2-medusa", "eagle": "smollm2-eagle", "draft": "smollm2-draft", "eagle3": "smollm2-eagle3"}
+SAVE_DTYPE = torch.float16
+AUX_DTYPE = torch.bfloat16  # EAGLE-3 inputs: 3 x hidden per token, the largest tensor kept on the GPU
+EVAL_DEPTH = 5
+LOG_FILE = "train_log.json"
+TOKENS_FILE = "distill_tokens.npz"
+PLOT_FILE = "loss.png"
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    methods: tuple[str, ...]
+    max_new_tokens: int
+    gen_batch: int
+    gen_budget_s: float
+    feature_batch: int
+    train: dict[str, TrainSettings]
+    medusa_heads: int = 5
+    medusa_layers: int = 1
+    eagle_steps: int = 3
+    eagle3_steps: int = 3
+    draft_layers: tuple[int, ...] = (0, 29)
+    seed: int = 0
+    base_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@dataclass
+class MethodResult:
+    method: str
+    ok: bool
+    log: dict = field(default_factory=dict)
+    chain: dict = field(default_factory=dict)
+    error: str = ""
+
+
+def distill(target: nn.Module, prompts: PromptSet, s: RunSettings, out: Path,
+            tokens_file: Path | None) -> tuple[DistillSet, DistillSet, dict]:
+    """(train, held-out) sequences with features, on the target's device; reuses `tokens_file`
+    (written by an earlier run) instead of generating when given."""
+    t0 = time.monotonic()
+    if tokens_file is not None:
+        both = DistillSet.load_tokens(tokens_file, prompts.pad_token_id)
+    else:
+        held_seqs, held_lens = greedy_continuations(target, prompts.held_out, s.max_new_tokens, s.gen_batch,
+                                                    prompts.eos_token_id, prompts.pad_token_id, float("inf"))
+        train_seqs, train_lens = greedy_continuations(target, prompts.train, s.max_new_tokens, s.gen_batch,
+                                                      prompts.eos_token_id, prompts.pad_token_id, s.gen_budget_s)
+        both = DistillSet.from_sequences(held_seqs + train_seqs, held_lens + train_lens, prompts.pad_token_id)
+        both.save_tokens(out / TOKENS_FILE)
+    rows = torch.arange(len(both.lengths))
+    held_set, train_set = both.subset(rows[: len(prompts.held_out)]), both.subset(rows[len(prompts.held_out):])
+    gen_s = time.monotonic() - t0
+    aux = eagle3_layers(target.config.num_hidden_layers) if "eagle3" in s.methods else ()
+    device = next(target.parameters()).device
+    for d in (held_set, train_set):
+        attach_features(d, target, aux, s.feature_batch, torch.float32, AUX_DTYPE)
+    stats = {"train_sequences": len(train_set.lengths), "held_out_sequences": len(held_set.lengths),
+             "train_tokens": train_set.num_tokens, "train_generated_tokens": train_set.num_generated,
+             "held_out_tokens": held_set.num_tokens, "generate_seconds": round(gen_s, 1),
+             "features_seconds": round(time.monotonic() - t0 - gen_s, 1)}
+    return train_set.to(str(device)), held_set.to(str(device)), stats
+
+
+@contextlib.contextmanager
+def mixed_precision(device: str):
+    """bf16 autocast on the GPU (the drafts are small; the LM-head products dominate); plain fp32 on CPU."""
+    if device.startswith("cuda"):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            yield
+    else:
+        yield
+
+
+def chunked_chain(hits_fn: Callable[[DistillSet], tuple[torch.Tensor, torch.Tensor]], data: DistillSet,
+                  rows: int) -> ChainStats:
+    correct, valid = [], []
+    for lo in range(0, len(data.lengths), rows):
+        c, v = hits_fn(data.subset(torch.arange(lo, min(lo + rows, len(data.lengths)), device=data.lengths.device)))
+        correct.append(c[v])
+        valid.append(torch.ones(int(v.sum()), dtype=torch.bool, device=v.device))
+    return chain_stats(torch.cat(correct), torch.cat(valid))
+
+
+def build_method(method: str, target: nn.Module, frozen: FrozenHead, s: RunSettings):
+    """(module, trainable parameters, loss(batch), depth hits(data), save(folder))."""
+    shape = layer_shape(target.config)
+    vocab, max_pos = target.config.vocab_size, target.config.max_position_embeddings
+    device = next(target.parameters()).device
+    last_layer = target.model.layers[target.config.num_hidden_layers - 1]
+    if method == "medusa":
+        m = medusa.build_heads(shape.hidden, s.medusa_heads, s.medusa_layers).to(device)
+        return (m, list(m.parameters()), lambda b: medusa.medusa_loss(m, frozen, b),
+                lambda d: medusa.medusa_depth_hits(m, frozen, d),
+                lambda f: medusa.save_medusa(m, f, s.base_model, s.medusa_layers, vocab, SAVE_DTYPE))
+    if method == "eagle":
+        m = eagle.EagleDraft(shape).to(device)  # random init: the target's layers write far larger values
+        return (m, list(m.parameters()), lambda b: eagle.eagle_loss(m, frozen, b, s.eagle_steps),
+                lambda d: eagle.eagle_depth_hits(m, frozen, d, EVAL_DEPTH),
+                lambda f: eagle.save_eagle(m, f, vocab, max_pos, SAVE_DTYPE))
+    if method == "eagle3":
+        m = eagle3.Eagle3Draft(shape).to(device)
+        m.init_from(last_layer, target.model.norm)
+        fused = eagle3_layers(target.config.num_hidden_layers)
+        return (m, list(m.parameters()), lambda b: eagle3.eagle3_loss(m, frozen, b, s.eagle3_steps),
+                lambda d: eagle3.eagle3_depth_hits(m, frozen, d, EVAL_DEPTH),
+                lambda f: eagle3.save_eagle3(m, f, vocab, max_pos, fused, SAVE_DTYPE))
+    m = draft_model.build_draft_model(target, s.draft_layers)
+    return (m, draft_model.trainable(m), lambda b: draft_model.draft_loss(m, frozen, b),
+            lambda d: draft_model.draft_depth_hits(m, frozen, d, EVAL_DEPTH),
+            lambda f: draft_model.save_draft_model(m, f, s.draft_layers, SAVE_DTYPE))
+
+
+def pack(folder: Path, pack_dir: Path) -> None:
+    """One tar per draft folder, so a lease that returns few files still brings every draft back."""
+    pack_dir.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(pack_dir / f"{folder.name}.tar", "w") as tar:
+        tar.add(folder, arcname=folder.name)
+
+
+def train_method(method: str, target: nn.Module, frozen: FrozenHead, train_set: DistillSet, held: DistillSet,
+                 s: RunSettings, out: Path, pack_dir: Path | None) -> MethodResult:
+    ts = s.train[method]
+    device = str(next(target.parameters()).device)
+    torch.manual_seed(ts.seed)
+    module, params, loss_fn, hits_fn, save = build_method(method, target, frozen, s)
+
+    def loss(batch: DistillSet) -> torch.Tensor:
+        with mixed_precision(device):
+            return loss_fn(batch)
+
+    log = train(params, loss, random_batches(train_set, ts.batch_size, ts.seed), held, ts, method)
+    with mixed_precision(device):
+        chain = chunked_chain(hits_fn, held, ts.batch_size)
+    result = MethodResult(method, True, log=asdict(log), chain=asdict(chain))
+    with atomic_output_dir(out / FOLDERS[method]) as folder:
+        save(folder)
+        plot_log(log, f"{FOLDERS[method]}: loss", folder / PLOT_FILE)
+        (folder / LOG_FILE).write_text(json.dumps({"settings": asdict(ts), "log": asdict(log),
+                                                   "held_out_chain": asdict(chain)}) + "\n")
+    if pack_dir is not None:
+        pack(out / FOLDERS[method], pack_dir)
+    return result
+
+
+def run_all(target: nn.Module, prompts: PromptSet, s: RunSettings, out: Path, tokens_file: Path | None = None,
+            pack_dir: Path | None = None) -> dict:
+    """Trains every method in `s.methods`; writes one folder per method and summary.json under `out`."""
+    torch.manual_seed(s.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    frozen = FrozenHead.of(target)
+    train_set, held, data_stats = distill(target, prompts, s, out, tokens_file)
+    print("data:", json.dumps(data_stats))
+    results: dict[str, MethodResult] = {}
+    for method in s.methods:
+        try:
+            results[method] = train_method(method, target, frozen, train_set, held, s, out, pack_dir)
+        except Exception:  # one trainer's bug must not cost the other drafts of the same GPU lease
+            traceback.print_exc()
+            results[method] = MethodResult(method, False, error=traceback.format_exc(limit=3))
+        if str(next(target.parameters()).device).startswith("cuda"):
+            torch.cuda.empty_cache()
+    summary = {"data": data_stats, "methods": {k: asdict(v) for k, v in results.items()}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if pack_dir is not None:
+        for name in ("summary.json", TOKENS_FILE):
+            if (out / name).is_file():
+                shutil.copy(out / name, pack_dir / name)
+    table = {k: ChainStats(**v.chain) for k, v in results.items() if v.ok}
+    if table:
+        print(format_table(table))
+    for k, v in results.items():
+        last = f"train {v.log['train_loss'][-1]:.4f}, held-out {v.log['eval_loss'][-1]:.4f}" if v.ok else "FAILED"
+        steps = f"{v.log['steps_done']} steps in {v.log['seconds']:.0f} s" if v.ok else v.error.splitlines()[-1]
+        print(f"{k:<8} {last}; {steps}")
+    return summary

@@ -1,0 +1,116 @@
+"""Draft trainers on a tiny random Llama: unrolled attention semantics, loss goes down, output formats."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.train.data import PromptSet
+from pipeline.train.eagle import EagleDraft
+from pipeline.train.eval import chain_stats
+from pipeline.train.llama_layer import LayerShape
+from pipeline.train.loop import TrainSettings
+from pipeline.train.run import FOLDERS, RunSettings, run_all
+from pipeline.train.target import FrozenHead
+
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, INTER = 96, 48, 8, 4, 2, 96
+EOS, PAD = 1, 0
+STEPS = 40
+PEAK_SCALE = 20.0
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
+                      rope_theta=100000.0, tie_word_embeddings=True, eos_token_id=EOS, pad_token_id=PAD,
+                      bos_token_id=EOS)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # a peaked next-token distribution, like a trained model's, so there is something to learn
+        model.model.embed_tokens.weight.mul_(PEAK_SCALE)
+    model.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target, tmp_path_factory):
+    rng = random.Random(0)
+    prompt = lambda: [rng.randrange(2, VOCAB) for _ in range(rng.randrange(4, 12))]
+    prompts = PromptSet([prompt() for _ in range(24)], [prompt() for _ in range(4)], EOS, PAD, "random")
+    train = {m: TrainSettings(STEPS, 3e-3, 8, 600.0, 0, eval_every=20) for m in ("medusa", "eagle", "draft", "eagle3")}
+    settings = RunSettings(("medusa", "eagle", "draft", "eagle3"), max_new_tokens=24, gen_batch=8, gen_budget_s=600,
+                           feature_batch=8, train=train, medusa_heads=3, draft_layers=(0, LAYERS - 1))
+    out = tmp_path_factory.mktemp("drafts")
+    return run_all(tiny_target, prompts, settings, out, pack_dir=out / "packed"), out
+
+
+def test_unrolled_steps_match_a_sequential_chain():
+    """Step s of the unrolled forward equals running the chain one token at a time over true context."""
+    torch.manual_seed(1)
+    shape = LayerShape(hidden=32, heads=4, kv_heads=2, intermediate=64, rope_theta=10000.0, rms_eps=1e-5)
+    draft = EagleDraft(shape).double()
+    frozen = FrozenHead(torch.randn(50, 32, dtype=torch.float64), torch.randn(50, 32, dtype=torch.float64))
+    tokens = torch.randint(0, 50, (1, 12))
+    feats = torch.randn(1, 12, 32, dtype=torch.float64)
+    outs = draft.unroll(frozen, tokens, feats, steps=3)
+    root = 5
+    chain_feats = feats[:, : root + 1]
+    for s in range(3):
+        n = root + 1 + s
+        padded = torch.cat((chain_feats, torch.zeros_like(chain_feats[:, :1])), dim=1)  # position n: unused (causal)
+        step = draft.unroll(frozen, tokens[:, : n + 1], padded, steps=1)[0]
+        assert torch.allclose(step[0, n - 1], outs[s][0, root + s], atol=1e-10)
+        chain_feats = torch.cat((chain_feats, step[:, n - 1 : n]), dim=1)
+
+
+def test_chain_stats_counts_leading_hits():
+    correct = torch.tensor([[True, True, False], [True, False, True], [False, True, True]])
+    stats = chain_stats(correct, torch.ones(3, dtype=torch.bool))
+    assert stats.mean_accept_length == pytest.approx(1 + (2 + 1 + 0) / 3, abs=1e-4)
+    assert stats.conditional_per_depth[:2] == [pytest.approx(2 / 3, abs=1e-4), pytest.approx(0.5, abs=1e-4)]
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "draft", "eagle3"])
+def test_training_lowers_the_held_out_loss(trained, method):
+    summary, _ = trained
+    result = summary["methods"][method]
+    assert result["ok"], result["error"]
+    losses = result["log"]["eval_loss"]
+    assert losses[-1] < losses[0]
+
+
+def test_output_folders_follow_the_converter_formats(trained):
+    summary, out = trained
+    medusa = load_file(out / FOLDERS["medusa"] / "medusa_lm_head.safetensors")
+    assert set(medusa) == {f"{h}.0.linear.{p}" for h in range(3) for p in ("weight", "bias")}
+    assert medusa["0.0.linear.weight"].shape == (HIDDEN, HIDDEN)
+    cfg = json.loads((out / FOLDERS["medusa"] / "config.json").read_text())
+    assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"], cfg["hidden_size"]) == (3, 1, HIDDEN)
+
+    eagle = load_file(out / FOLDERS["eagle"] / "model.safetensors")
+    assert eagle["fc.weight"].shape == (HIDDEN, 2 * HIDDEN) and eagle["fc.bias"].shape == (HIDDEN,)
+    assert "layers.0.post_attention_layernorm.weight" in eagle and "layers.0.mlp.down_proj.weight" in eagle
+    assert not any("input_layernorm" in k or "embed_tokens" in k or k.startswith("norm") for k in eagle)
+    assert json.loads((out / FOLDERS["eagle"] / "config.json").read_text())["num_hidden_layers"] == 1
+
+    eagle3 = load_file(out / FOLDERS["eagle3"] / "model.safetensors")
+    assert eagle3["fc.weight"].shape == (HIDDEN, 3 * HIDDEN)
+    assert eagle3["midlayer.self_attn.q_proj.weight"].shape == (HIDDEN, 2 * HIDDEN)
+    assert {"midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "norm.weight"} <= set(eagle3)
+
+    draft = load_file(out / FOLDERS["draft"] / "model.safetensors")
+    assert "model.embed_tokens.weight" not in draft and "lm_head.weight" not in draft
+    assert {"model.layers.1.mlp.up_proj.weight", "model.norm.weight"} <= set(draft)
+    cfg = json.loads((out / FOLDERS["draft"] / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True and cfg["num_hidden_layers"] == 2
+    for folder in FOLDERS.values():
+        assert (out / folder / "loss.png").stat().st_size > 0
+        assert (out / "packed" / f"{folder}.tar").stat().st_size > 0
+    assert (out / "packed" / "summary.json").is_file() and (out / "packed" / "distill_tokens.npz").is_file()
