@@ -99,3 +99,15 @@ verify: setup
 demo: triton-repo
 	$(SPECPIPE) verify --repo $(REPO) --target $(TARGET) --num-prompts $(VERIFY_PROMPTS) \
 	  --max-tokens $(VERIFY_MAX_TOKENS) --report reports/demo-verify.json
+
+# Self-distil SmolLM2 on ShareGPT and train the Medusa, EAGLE, EAGLE-3 and draft-model drafts (a CUDA GPU:
+# about 11 minutes on an H200). Results land in TRAIN_OUT; drafts/ holds a run with these budgets.
+TRAIN_DEVICE ?= cuda
+TRAIN_OUT ?= reports/tmp/drafts
+TRAIN_BUDGETS ?= medusa=230,eagle=120,draft=70,eagle3=80
+
+.PHONY: train-drafts
+train-drafts: setup
+	$(BIN)/python build/train_draft.py prompts --output $(TRAIN_OUT)/data
+	$(BIN)/python build/train_draft.py run --prompts $(TRAIN_OUT)/data --output $(TRAIN_OUT) --device $(TRAIN_DEVICE) \
+	  --methods medusa,eagle,draft,eagle3 --budgets $(TRAIN_BUDGETS) --gen-budget 120 --gen-batch 1024
