@@ -104,15 +104,20 @@ def accept_sampling(tree: DraftTree, logits: torch.Tensor, params: SamplingParam
                 node = child
                 residual = probs[child].clone()
                 break
-            residual = (residual - q).clamp_min(0.0)
-            total = residual.sum()
-            # An exhausted residual can only follow a certain rejection; fall back to p itself.
-            residual = residual / total if total > 0 else probs[node].clone()
+            residual = rejection_residual(residual, q, probs[node])
         else:
             break
     bonus = torch.multinomial(residual, 1, generator=generator)[0]
     device = tree.tokens.device
     return _finish(tree, torch.tensor(node, device=device), bonus.to(device))
+
+
+def rejection_residual(p: torch.Tensor, q: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """After rejecting a draw from q: the normalised max(p - q, 0), what the next try must sample from."""
+    residual = (p - q).clamp_min(0.0)
+    total = residual.sum()
+    # An exhausted residual can only follow a certain rejection (p == q); keep p itself then.
+    return residual / total if total > 0 else fallback
 
 
 def _one_hot(x: int, like: torch.Tensor) -> torch.Tensor:

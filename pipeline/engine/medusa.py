@@ -57,10 +57,13 @@ class MedusaProposer:
     def start(self, prompt: torch.Tensor, target: TargetPass, first: torch.Tensor) -> None:
         self.hidden = target.hidden[-1:]
 
+    def guesses(self, step: StepInput) -> torch.Tensor:
+        """[depth, top_k] token ids: head d's best guesses for the token d+1 places after the root."""
+        logits = torch.stack([head(self.hidden)[0] for head in self.heads])
+        return logits.topk(self.top_k, dim=-1).indices
+
     def propose(self, step: StepInput) -> DraftTree:
-        guesses = torch.stack([head(self.hidden)[0] for head in self.heads])  # [depth, V]
-        top = guesses.topk(self.top_k, dim=-1).indices
-        tokens = top[self.node_head, self.tree.ranks]
+        tokens = self.guesses(step)[self.node_head, self.tree.ranks]
         tokens = torch.cat([step.root, tokens[1:]])
         return DraftTree.from_buffers(tokens, self.tree)
 

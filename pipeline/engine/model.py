@@ -270,12 +270,13 @@ class Transformer(nn.Module):
                 capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """tokens [B, T] -> (final hidden [B, T, H], residual stream after each layer in `capture`)."""
         x = self.vocab_embedding(tokens)
-        captured = []
+        outputs: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, i)
             if i in capture:
-                captured.append(x)
-        return self.ln_f(x), captured
+                outputs[i] = x
+        # In the order asked, repeats kept: small models can map two capture points to one layer.
+        return self.ln_f(x), [outputs[i] for i in capture]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

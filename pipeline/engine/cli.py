@@ -1,0 +1,111 @@
+"""`specpipe generate` and `specpipe eval-acceptance`: the portable engine in-process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from pipeline.engine.sampling import RequestError, SamplingParams
+from pipeline.engine.stats import SpecStats
+from pipeline.errors import UserError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text with a portable engine")
+    p.add_argument("--engine", required=True, type=Path)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=generate)
+
+    e = sub.add_parser("eval-acceptance", help="acceptance length of a speculative engine on a prompt set")
+    e.add_argument("--engine", required=True, type=Path)
+    e.add_argument("--prompts", type=Path, default=None, help="JSONL (default: MT-bench first turns)")
+    e.add_argument("--num-prompts", type=int, default=80)
+    e.add_argument("--max-tokens", type=int, default=256)
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--report", type=Path, default=None, help="write the JSON report here")
+    e.set_defaults(func=eval_acceptance)
+
+
+def prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
+    """Exactly `tokenizer(text).input_ids`, or the chat template's ids for one user turn."""
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError("--chat: this engine's tokenizer has no chat template; drop --chat")
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    return tokenizer(text).input_ids
+
+
+def _load(engine_dir: Path, device: str):
+    from pipeline.engine.runner import Engine
+
+    return Engine.from_dir(engine_dir, device=device)
+
+
+def generate(args: argparse.Namespace) -> int:
+    engine = _load(args.engine, args.device)
+    ids = prompt_ids(engine.tokenizer, args.prompt, args.chat)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop_words=tuple(args.stop))
+    start = time.perf_counter()
+    try:
+        result = engine.generate(ids, params)
+    except RequestError as exc:
+        raise UserError(str(exc)) from None
+    seconds = time.perf_counter() - start
+    if args.json:
+        out = {"text": result.text, "prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids,
+               "finish_reason": result.finish_reason, "seconds": seconds, "mode": engine.spec.mode}
+        out.update(result.stats.to_dict())
+        print(json.dumps(out))
+    else:
+        print(result.text)
+    return 0
+
+
+def eval_acceptance(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from pipeline.bench.prompts import load_prompts
+
+    engine = _load(args.engine, args.device)
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    params = SamplingParams(max_tokens=args.max_tokens, end_id=-1)
+    per_prompt, generated, seconds = [], 0, 0.0
+    for text in tqdm(prompts, desc=f"eval-acceptance {engine.spec.mode}", unit="prompt"):
+        ids = prompt_ids(engine.tokenizer, text, chat=bool(getattr(engine.tokenizer, "chat_template", None)))
+        start = time.perf_counter()
+        result = engine.generate(ids, params)
+        seconds += time.perf_counter() - start
+        generated += len(result.token_ids)
+        per_prompt.append(result.stats)
+    total = SpecStats.total(per_prompt)
+    report = {
+        "engine": str(args.engine), "mode": engine.spec.mode, "device": args.device, "prompts": len(prompts),
+        "max_tokens": args.max_tokens, "generated_tokens": generated, "seconds": seconds,
+        "tokens_per_second": generated / seconds if seconds else 0.0,
+        "tokens_per_step": generated / total.steps if total.steps else 0.0,
+        "per_prompt_acceptance_length": [s.acceptance_length for s in per_prompt],
+        **total.to_dict(),
+    }
+    print(f"mode {report['mode']}  prompts {len(prompts)}  max_tokens {args.max_tokens}  device {args.device}")
+    print(f"mean acceptance length  {total.acceptance_length:.3f}  (accepted + 1 per target pass)")
+    print(f"tokens per step         {report['tokens_per_step']:.3f}")
+    print(f"draft acceptance rate   {total.acceptance_rate:.3f}")
+    print(f"tokens/s                {report['tokens_per_second']:.1f}")
+    print("per-depth acceptance    " + "  ".join(f"d{d + 1}={r:.2f}" for d, r in enumerate(total.per_depth_acceptance)))
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report, indent=2))
+    return 0

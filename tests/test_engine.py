@@ -1,0 +1,104 @@
+"""Portable engine, plain decoding: token parity with Hugging Face, sampling, stops, request errors, CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import convert_and_build
+from pipeline.convert.source import load_hf_model
+from pipeline.engine.runner import Engine, RequestError, SamplingParams
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "hello hello hello hello world, print it"]
+
+
+def hf_greedy(model, ids: list[int], max_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_engine(tiny_llama_dir: Path, tmp_path_factory) -> Engine:
+    return Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path_factory.mktemp("plain")))
+
+
+@pytest.mark.parametrize("arch,tp,pp", [("llama", 1, 1), ("llama", 2, 1), ("llama", 2, 2), ("qwen2", 2, 1)])
+def test_tiny_greedy_matches_hugging_face(arch, tp, pp, tiny_llama_dir, tiny_qwen2_dir, tmp_path):
+    folder = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+    engine = Engine.from_dir(convert_and_build(folder, tmp_path, tp=tp, pp=pp))
+    hf = load_hf_model(str(folder))
+    for text in PROMPTS:
+        ids = engine.tokenizer(text).input_ids
+        got = engine.generate(ids, SamplingParams(max_tokens=24, end_id=-1))
+        assert got.token_ids == hf_greedy(hf, ids, 24), text
+        assert (got.stats.steps, got.stats.draft_tokens, got.stats.accepted_tokens) == (23, 0, 0)
+        assert got.stats.acceptance_length == 1.0
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_hugging_face(smollm2_engine_dir, smollm2_hf):
+    engine = Engine.from_dir(smollm2_engine_dir)
+    for text in ["The capital of France is", "Write a haiku about the sea.\n"]:
+        ids = engine.tokenizer(text).input_ids
+        assert engine.generate(ids, SamplingParams(max_tokens=32, end_id=-1)).token_ids == hf_greedy(smollm2_hf, ids, 32)
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(tiny_llama_engine):
+    ids = tiny_llama_engine.tokenizer(PROMPTS[1]).input_ids
+    hot = SamplingParams(max_tokens=16, temperature=1.3, top_p=0.9, seed=7, end_id=-1)
+    first = tiny_llama_engine.generate(ids, hot).token_ids
+    assert tiny_llama_engine.generate(ids, hot).token_ids == first
+    others = {tuple(tiny_llama_engine.generate(ids, SamplingParams(max_tokens=16, temperature=1.3, seed=s, end_id=-1)).token_ids)
+              for s in range(4)}
+    assert len(others) > 1, "different seeds should give different samples"
+    greedy = tiny_llama_engine.generate(ids, SamplingParams(max_tokens=16, end_id=-1)).token_ids
+    top1 = tiny_llama_engine.generate(ids, SamplingParams(max_tokens=16, temperature=0.8, top_k=1, seed=3, end_id=-1))
+    assert top1.token_ids == greedy
+
+
+def test_stops_on_end_id_stop_word_and_max_tokens(tiny_llama_engine):
+    ids = tiny_llama_engine.tokenizer(PROMPTS[0]).input_ids
+    free = tiny_llama_engine.generate(ids, SamplingParams(max_tokens=20, end_id=-1))
+    assert free.finish_reason == "length" and len(free.token_ids) == 20
+    end = free.token_ids[5]
+    stopped = tiny_llama_engine.generate(ids, SamplingParams(max_tokens=20, end_id=end))
+    assert stopped.finish_reason == "end_id"
+    assert stopped.token_ids == free.token_ids[:free.token_ids.index(end) + 1]
+    word = tiny_llama_engine.tokenizer.decode(free.token_ids[:8]).strip()[-3:]
+    by_word = tiny_llama_engine.generate(ids, SamplingParams(max_tokens=20, end_id=-1, stop_words=(word,)))
+    assert by_word.finish_reason == "stop" and by_word.text.endswith(word)
+    assert len(by_word.token_ids) <= 8
+
+
+@pytest.mark.parametrize("params,prompt_len,match", [
+    (SamplingParams(max_tokens=0), 3, "max_tokens"),
+    (SamplingParams(max_tokens=-2), 3, "max_tokens"),
+    (SamplingParams(temperature=-0.5), 3, "temperature"),
+    (SamplingParams(top_p=0.0), 3, "top_p"),
+    (SamplingParams(top_k=-1), 3, "top_k"),
+    (SamplingParams(), 0, "empty"),
+    (SamplingParams(), 1025, "max_input_len"),
+    (SamplingParams(max_tokens=2000), 100, "max_seq_len"),
+])
+def test_bad_requests_are_refused(tiny_llama_engine, params, prompt_len, match):
+    with pytest.raises(RequestError, match=match):
+        tiny_llama_engine.validate([5] * prompt_len, params)
+
+
+def test_generate_cli_json(tiny_llama_dir, tmp_path):
+    engine_dir = convert_and_build(tiny_llama_dir, tmp_path)
+    out = subprocess.run([sys.executable, "-m", "pipeline", "generate", "--engine", str(engine_dir), "--prompt",
+                          PROMPTS[0], "--max-tokens", "6", "--json"], capture_output=True, text=True, check=True)
+    record = json.loads(out.stdout)
+    assert len(record["token_ids"]) == 6 and record["steps"] == 5
+    assert (record["draft_tokens"], record["accepted_tokens"], record["acceptance_length"]) == (0, 0, 1.0)
+    bad = subprocess.run([sys.executable, "-m", "pipeline", "generate", "--engine", str(tmp_path / "nope"), "--prompt",
+                          "x"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "engine folder not found" in bad.stderr

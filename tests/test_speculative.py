@@ -1,0 +1,180 @@
+"""Speculative decoding is lossless under greedy: every method, tree and length gives plain greedy's tokens.
+
+Random drafts exercise the rejection path; oracle drafts (which know the target's own greedy
+continuation) exercise full-depth acceptance end to end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import convert_and_build
+from pipeline.convert.tiny import make_random_eagle, make_random_eagle3, make_random_medusa, make_tiny_model
+from pipeline.engine.config import DynamicTreeConfig, SpecConfig
+from pipeline.engine.eagle import EagleNet, EagleProposer
+from pipeline.engine.medusa import MedusaProposer, medusa_heads
+from pipeline.engine.runner import Engine, SamplingParams
+from pipeline.engine.speculative import StepInput
+from pipeline.engine.tree import build_tree, parse_choices
+
+PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog and then", "hello hello hello"]
+MAX_TOKENS = (7, 13, 30)  # 7 and 13 end in the middle of a tree
+HIDDEN = 64
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir: Path, tmp_path_factory) -> Engine:
+    return Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path_factory.mktemp("plain")))
+
+
+def vocab_of(folder: Path) -> int:
+    return json.loads((folder / "config.json").read_text())["vocab_size"]
+
+
+def greedy(engine: Engine, text: str, max_tokens: int):
+    return engine.generate(engine.tokenizer(text).input_ids, SamplingParams(max_tokens=max_tokens, end_id=-1))
+
+
+def assert_lossless(engine: Engine, plain: Engine) -> list[float]:
+    lengths = []
+    for text in PROMPTS:
+        for n in MAX_TOKENS:
+            got = greedy(engine, text, n)
+            assert got.token_ids == greedy(plain, text, n).token_ids, (engine.spec.mode, text, n)
+            assert got.stats.acceptance_length >= 1.0
+            lengths.append(got.stats.acceptance_length)
+    return lengths
+
+
+SPEC_CASES = {
+    "medusa-chain4": lambda d, v: dict(medusa=make_random_medusa(d / "m", HIDDEN, v, with_lm_head=False), choices="chain4"),
+    "medusa-mc_sim_7b_63": lambda d, v: dict(medusa=make_random_medusa(d / "m", HIDDEN, v, with_lm_head=False)),
+    "medusa-wide": lambda d, v: dict(medusa=make_random_medusa(d / "m", HIDDEN, v, heads=2, with_lm_head=False),
+                                  choices="wide8x2", max_draft_len=16),
+    "medusa-random-lm-head": lambda d, v: dict(medusa=make_random_medusa(d / "m", HIDDEN, v), choices="top16"),
+    "eagle-static": lambda d, v: dict(eagle=make_random_eagle(d / "e", HIDDEN, v, with_embedding=False)),
+    "eagle-dynamic": lambda d, v: dict(eagle=make_random_eagle(d / "e", HIDDEN, v), dynamic_tree=True,
+                                    dynamic_top_k=4, dynamic_depth=4, max_draft_len=12),
+    "eagle3-dynamic": lambda d, v: dict(eagle3=make_random_eagle3(d / "e3", HIDDEN, v), dynamic_tree=True,
+                                     dynamic_top_k=4, dynamic_depth=3, max_draft_len=10),
+    "eagle3-static-small-vocab": lambda d, v: dict(eagle3=make_random_eagle3(d / "e3", HIDDEN, v, draft_vocab=128),
+                                                choices="top16", max_draft_len=16),
+    "draft-model": lambda d, v: dict(draft_model=make_tiny_model(d / "draft", seed=5, num_hidden_layers=1), max_draft_len=3),
+    "ngram": lambda d, v: dict(speculative="ngram", ngram_k=3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPEC_CASES))
+def test_greedy_speculation_is_lossless(case, tiny_llama_dir, plain, tmp_path):
+    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir))))
+    assert engine.spec.mode != "none"
+    assert_lossless(engine, plain)
+
+
+def test_draft_model_oracle_accepts_every_token(tiny_llama_dir, plain, tmp_path):
+    """The target as its own draft: every step accepts all k tokens."""
+    k = 4
+    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path, draft_model=tiny_llama_dir, max_draft_len=k))
+    got = greedy(engine, PROMPTS[0], 31)
+    assert got.token_ids == greedy(plain, PROMPTS[0], 31).token_ids
+    assert got.stats.acceptance_length == k + 1 and got.stats.per_depth_acceptance == [1.0] * k
+
+
+# ---------------------------------------------------------------------------------------------
+# Oracles: drafts that know the target's greedy continuation `ref` (prompt + output), by position.
+
+class OracleMedusa(MedusaProposer):
+    def __init__(self, base: MedusaProposer, ref: list[int]):
+        super().__init__(base.heads, base.tree)
+        self.ref = ref
+
+    def guesses(self, step: StepInput) -> torch.Tensor:
+        depth = len(self.heads)
+        right = torch.tensor([self.ref[step.length + d] for d in range(1, depth + 1)])
+        wrong = (right[:, None] + torch.arange(1, self.top_k)) % self.heads[0].lm_head.out_features  # distinct from the right token
+        return torch.cat([right[:, None], wrong], dim=1)
+
+
+class OracleNet(nn.Module):
+    """Stands in for an EAGLE draft: the pair at position j guesses ref[j + 2], whatever its inputs."""
+
+    def __init__(self, real: nn.Module, ref: list[int]):
+        super().__init__()
+        self.real, self.ref = real, torch.tensor(ref)
+        self.cfg, self.rotary = real.cfg, real.rotary
+        self.capture_layers = getattr(real, "capture_layers", ())
+        self.num_cache_layers = real.num_cache_layers
+        self.lm_head = real.lm_head
+
+    def target_features(self, target):
+        return self.real.target_features(target)
+
+    def forward(self, tokens, features, ctx):
+        guess = self.ref[(ctx.positions[0] + 2).clamp(max=len(self.ref) - 1)]
+        return guess.float()[None, :, None].expand(1, -1, self.cfg.hidden_size).clone()
+
+    def logits(self, hidden):
+        out = torch.full((hidden.shape[0], self.cfg.vocab_size), -1.0)
+        out[torch.arange(hidden.shape[0]), hidden[:, 0].long()] = 10.0
+        return out
+
+
+def reference(plain: Engine, text: str, max_tokens: int) -> list[int]:
+    ids = plain.tokenizer(text).input_ids
+    return ids + greedy(plain, text, max_tokens).token_ids
+
+
+def test_medusa_oracle_accepts_full_depth(tiny_llama_dir, plain, tmp_path):
+    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path, medusa=make_random_medusa(tmp_path / "m", HIDDEN, vocab_of(tiny_llama_dir))))
+    n, depth = 30, engine.proposer.tree.max_depth
+    ref = reference(plain, PROMPTS[1], n + depth + 1)
+    engine.proposer = OracleMedusa(engine.proposer, ref)
+    got = greedy(engine, PROMPTS[1], n)
+    assert got.token_ids == ref[len(ref) - (n + depth + 1):][:n]
+    assert got.stats.acceptance_length == depth + 1
+    assert got.stats.per_depth_acceptance == [1.0] * depth
+
+
+@pytest.mark.parametrize("case", ["eagle-static", "eagle-dynamic", "eagle3-dynamic"])
+def test_eagle_oracle_accepts_full_depth(case, tiny_llama_dir, plain, tmp_path):
+    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir))))
+    proposer: EagleProposer = engine.proposer
+    depth = proposer.tree.max_depth if proposer.tree is not None else proposer.dynamic.depth
+    n = 24
+    ref = reference(plain, PROMPTS[0], n + depth + 2)
+    proposer.net = OracleNet(proposer.net, ref)
+    got = greedy(engine, PROMPTS[0], n)
+    assert got.token_ids == greedy(plain, PROMPTS[0], n).token_ids
+    assert got.stats.acceptance_length == depth + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# SmolLM2: random drafts on the real target, in-process (same engine, proposer swapped in).
+
+@pytest.mark.slow
+def test_smollm2_random_medusa_and_eagle_are_lossless(smollm2_engine_dir):
+    plain_engine = Engine.from_dir(smollm2_engine_dir)
+    target = plain_engine.target
+    torch.manual_seed(0)
+    heads = medusa_heads(4, 1, target.cfg.hidden_size, target.cfg.vocab_size, "silu").eval()
+    for head in heads:
+        head.lm_head.weight.data.copy_(target.lm_head.weight)
+    net = EagleNet(replace(target.cfg, num_layers=1)).eval()
+    net.vocab_embedding.weight.data.copy_(target.vocab_embedding.weight)
+    net.lm_head.weight.data.copy_(target.lm_head.weight)
+    proposers = {
+        "medusa": MedusaProposer(heads, build_tree(parse_choices("mc_sim_7b_63"))),
+        "eagle-dynamic": EagleProposer(net, 2048, None, DynamicTreeConfig(top_k=6, depth=4, max_non_leaves_per_layer=6), 24),
+    }
+    texts = ["The capital of France is", "Write a short poem about the sea, the sea."]
+    expected = {t: greedy(plain_engine, t, 20).token_ids for t in texts}
+    for name, proposer in proposers.items():
+        engine = Engine(target, plain_engine.tokenizer, plain_engine.limits, SpecConfig(mode="medusa"), proposer)
+        for t in texts:
+            assert greedy(engine, t, 20).token_ids == expected[t], (name, t)
