@@ -19,7 +19,7 @@ from pipeline.train.target import FrozenHead
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, INTER = 96, 48, 8, 4, 2, 96
 EOS, PAD = 1, 0
-STEPS = 40
+STEPS = 25
 PEAK_SCALE = 20.0
 
 

@@ -108,5 +108,5 @@ def save_eagle3(draft: Eagle3Draft, folder: Path, vocab_size: int, max_positions
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     config = eagle_config(draft.shape, vocab_size, max_positions)
     config.update({"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": vocab_size,
-                   "eagle_aux_hidden_state_layer_ids": list(fused_layers), "lm_head_omitted": True})
+                   "fused_target_layer_outputs": list(fused_layers), "lm_head_omitted": True})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
