@@ -120,7 +120,10 @@ def run_ours(cfg: CompareConfig, prompts: list[str], references: list[str], toke
     with server:
         ready = time.monotonic() - t0
         runs = measure_server(OURS, server.base_url, prompts, references, cfg, tokenize, None)
-    return {"status": "ran", "startup_s": ready, "engine": str(cfg.engine), "runs": runs}
+    spec = EngineDir.load(cfg.engine).spec
+    return {"status": "ran", "startup_s": ready, "engine": str(cfg.engine),
+            "setup": f"engine {cfg.engine}, speculative {spec.mode}" + (f" {asdict(spec.ngram)}" if spec.ngram else ""),
+            "runs": runs}
 
 
 def run_vllm(name: str, cfg: CompareConfig, model_dir: Path, prompts: list[str], references: list[str],
@@ -136,8 +139,12 @@ def run_vllm(name: str, cfg: CompareConfig, model_dir: Path, prompts: list[str],
             runs = measure_server(name, server.base_url, prompts, references, cfg, tokenize, server.spec_counters)
     except VllmStartError as exc:
         return {"status": "refused by this vLLM build", "error": exc.line, "runs": []}
+    o = cfg.vllm
+    setup = (f"{o.dtype}, {'eager' if o.enforce_eager else 'compiled'}, max_model_len {o.max_model_len}, "
+             f"KV cache {o.kv_cache_gib} GiB, Intel OpenMP {'preloaded' if o.preload_iomp else 'not preloaded'}, "
+             f"speculative {mode.speculative_config}")
     return {"status": "ran", "startup_s": ready, "speculative_config": mode.speculative_config,
-            "options": asdict(cfg.vllm), "runs": runs}
+            "options": asdict(o), "setup": setup, "runs": runs}
 
 
 def run_compare(cfg: CompareConfig) -> Path:

@@ -29,6 +29,7 @@ def measure_level(base_url: str, model: str, prompts: Sequence[str], references:
     bodies = [completion_request(model, p, max_tokens) for p in prompts]
     results = run_concurrent(base_url, bodies, concurrency, desc=f"{label} c={concurrency}")
     after = read_counters() if read_counters else {}
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
     summary = stats.summarize([r.timing for r in results])
     agree = stats.agreement([tokenize(r.text) for r in results], [tokenize(t) for t in references])
     per_request = [r.spec["acceptance_length"] for r in results if r.spec and r.spec.get("acceptance_length")]
@@ -37,7 +38,9 @@ def measure_level(base_url: str, model: str, prompts: Sequence[str], references:
         **asdict(summary),
         "acceptance_length": _acceptance(results, before, after, per_request),
         "acceptance_lengths": per_request,
-        "spec_counters_delta": {k: after[k] - before.get(k, 0.0) for k in after},
+        "spec_counters_delta": delta,
+        "vllm_acceptance_per_draft": stats.acceptance_length_from_drafts(delta.get("drafts", 0.0),
+                                                                         delta.get("accepted_tokens", 0.0)),
         "exact_match_rate": agree.exact_match_rate,
         "mean_first_divergence": agree.mean_first_divergence,
         "finish_reasons": sorted({str(r.finish_reason) for r in results}),
@@ -48,16 +51,17 @@ def measure_level(base_url: str, model: str, prompts: Sequence[str], references:
 
 def _acceptance(results: Sequence[Any], before: dict[str, float], after: dict[str, float],
                 per_request: list[float]) -> float | None:
-    """Ours: token-weighted over requests from the `spec` field; vLLM: from its counters' increase."""
+    """Tokens per target forward pass for both systems, tokens / (tokens - accepted drafts): ours
+    with accepted counts from each response's `spec` field, vLLM's from its counters' increase.
+
+    vLLM's own figure (1 + accepted / drafts) skips steps where ngram found no match, so it reads
+    higher; it is kept beside this one as `vllm_acceptance_per_draft`.
+    """
     if per_request:
-        specs = [r.spec for r in results if r.spec and r.spec.get("acceptance_length")]
-        tokens = sum(r.completion_tokens for r in results if r.spec and r.spec.get("acceptance_length"))
-        accepted = sum(s["accepted_draft_tokens"] for s in specs)
-        return stats.acceptance_length_from_counts(tokens, accepted)
+        counted = [r for r in results if r.spec and r.spec.get("acceptance_length")]
+        tokens = sum(r.completion_tokens for r in counted)
+        return stats.acceptance_length_from_counts(tokens, sum(r.spec["accepted_draft_tokens"] for r in counted))
     if "drafts" not in after:
         return None  # not a speculative server
-    drafts = after["drafts"] - before.get("drafts", 0.0)
-    if drafts == 0:
-        return 1.0  # nothing was proposed: every forward pass yielded one token
     accepted = after.get("accepted_tokens", 0.0) - before.get("accepted_tokens", 0.0)
-    return stats.acceptance_length_from_drafts(drafts, accepted)
+    return stats.acceptance_length_from_counts(sum(r.completion_tokens for r in results), int(accepted))

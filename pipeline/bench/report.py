@@ -66,7 +66,8 @@ def status_lines(systems: dict[str, Any]) -> list[str]:
     for name, sys in systems.items():
         detail = f" — {sys['error']}" if sys.get("error") else ""
         start = f", ready after {sys['startup_s']:.0f} s" if sys.get("startup_s") else ""
-        out.append(f"- **{name}**: {sys['status']}{start}{detail}")
+        setup = f" ({sys['setup']})" if sys.get("setup") else ""
+        out.append(f"- **{name}**: {sys['status']}{start}{detail}{setup}")
     return out
 
 
@@ -141,8 +142,10 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
         "## How to read it",
         "- TTFT and ITL are client-side. ITL shares each gap between chunks evenly over the tokens the chunk "
         "carried, so a speculative step that returns several tokens counts as several short intervals.",
-        "- Acceptance length = tokens per target forward pass: ours from each response's `spec` field "
-        "(tokens / (tokens − accepted drafts)), vLLM's from its /metrics counters (1 + accepted / drafts).",
+        "- Acceptance length = tokens per target forward pass, tokens / (tokens − accepted drafts), for both: "
+        "accepted drafts from each response's `spec` field for ours, from the /metrics counters for vLLM. "
+        "vLLM's own figure, 1 + accepted / drafts, leaves out steps that proposed nothing; it is in "
+        "results.json as `vllm_acceptance_per_draft`.",
         "- Agreement compares each output with Hugging Face float32 greedy decoding of the same prompt, "
         "both re-tokenized; batched runs can diverge from batch 1 through floating-point order.",
         f"- The machine's 1-minute load average before each run is in results.json (`load_avg_1min_before`): "
