@@ -24,7 +24,7 @@ from pipeline.train import draft_model, eagle, eagle3, medusa
 from pipeline.train.data import PromptSet
 from pipeline.train.distill import DistillSet, attach_features, greedy_continuations, random_batches
 from pipeline.train.eval import ChainStats, chain_stats, format_table
-from pipeline.train.loop import TrainLog, TrainSettings, plot_log, train
+from pipeline.train.loop import TrainSettings, plot_log, train
 from pipeline.train.target import FrozenHead, eagle3_layers, layer_shape
 
 METHODS = ("medusa", "eagle", "draft", "eagle3")
