@@ -27,7 +27,7 @@ test: setup
 	$(BIN)/python -m pytest -q tests
 
 clean:
-	rm -rf $(ENGINES)/* triton_repo/generated reports/tmp
+	rm -rf $(filter-out $(ENGINES)/README.md,$(wildcard $(ENGINES)/*)) $(filter-out triton_repo/README.md,$(wildcard triton_repo/*)) reports/tmp
 
 # make build-engines [TARGET=smollm2|PATH] [DRAFT=medusa:PATH|eagle:PATH|eagle3:PATH|draft-model:PATH|ngram|ngram:K]
 # Converts into engines/<name>-ckpt and builds the portable engine engines/<name>; with trtllm-build on
