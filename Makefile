@@ -6,7 +6,10 @@ BIN := $(VENV)/bin
 SPECPIPE := $(BIN)/specpipe
 TARGET ?= smollm2
 DTYPE ?= float32
-DRAFT ?=
+# The default engine speculates with the trained EAGLE draft and EAGLE-2 dynamic trees; DRAFT= builds plain.
+DRAFT ?= eagle:drafts/smollm2-eagle
+EAGLE_CONVERT_FLAGS ?= --num-eagle-layers 6
+EAGLE_BUILD_FLAGS ?= --dynamic-tree --dynamic-top-k 8 --dynamic-depth 6 --max-draft-len 48
 ENGINES := engines
 STAMP := $(VENV)/.installed
 
@@ -40,7 +43,7 @@ build-engines: setup
 	case "$$kind" in \
 	  "") ;; \
 	  medusa) conv=(--medusa "$$arg"); suffix=-medusa ;; \
-	  eagle) conv=(--eagle "$$arg"); suffix=-eagle ;; \
+	  eagle) conv=(--eagle "$$arg" $(EAGLE_CONVERT_FLAGS)); build=($(EAGLE_BUILD_FLAGS)); suffix=-eagle ;; \
 	  eagle3) conv=(--eagle3 "$$arg"); suffix=-eagle3 ;; \
 	  draft-model) conv=(--draft-model "$$arg"); suffix=-draft ;; \
 	  ngram) build=(--speculative ngram $${arg:+--ngram-k "$$arg"}); suffix=-ngram ;; \
@@ -111,3 +114,17 @@ train-drafts: setup
 	$(BIN)/python build/train_draft.py prompts --output $(TRAIN_OUT)/data
 	$(BIN)/python build/train_draft.py run --prompts $(TRAIN_OUT)/data --output $(TRAIN_OUT) --device $(TRAIN_DEVICE) \
 	  --methods medusa,eagle,draft,eagle3 --budgets $(TRAIN_BUDGETS) --gen-budget 120 --gen-batch 1024
+
+# --- Speed (issue 8) ---------------------------------------------------------------------------
+# make bench: on a CUDA GPU, the bandwidth floor and 8B-shape decode/verification, SmolLM2 with every
+# trained draft on MT-bench (plus Hugging Face peers), and cold start; writes bench/results-<device>.json.
+BENCH_ARGS ?=
+.PHONY: bench
+bench: setup
+	$(SPECPIPE) bench --device cuda $(BENCH_ARGS)
+
+# make bench-decode: the portable engine's plain decode tokens/s for SmolLM2 on this CPU, beside
+# Hugging Face generate (and prompt lookup), same prompts, same run.
+BENCH_DECODE_ARGS ?= --num-prompts 2 --hf-prompts 2 --max-tokens 64
+bench-decode: setup
+	$(SPECPIPE) bench --device cpu --suites smollm2 --methods plain $(BENCH_DECODE_ARGS)
