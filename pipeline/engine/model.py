@@ -177,10 +177,29 @@ class Attention(nn.Module):
         k = ctx.rotary(k.view(b, t, self.num_kv_heads, self.head_size), ctx.positions)
         ctx.cache.write(layer, ctx.slots, k, v.view(b, t, self.num_kv_heads, self.head_size))
         keys, values = ctx.cache.read(layer, ctx.attn_len)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=ctx.mask, is_causal=ctx.is_causal, enable_gqa=self.num_kv_heads != self.num_heads)
+        q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        if q.is_cuda and self.num_kv_heads != self.num_heads and not ctx.is_causal:
+            out = grouped_query_attention(q, keys, values, ctx.mask)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, is_causal=ctx.is_causal,
+                                                 enable_gqa=self.num_kv_heads != self.num_heads)
         return self.dense(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [B, H, T, D] over k, v [B, Hkv, S, D]: each kv head's query group folded into its rows.
+
+    On CUDA, SDPA with enable_gqa and a mask falls back to a path that copies K and V once per
+    query head; folding the group (query head h reads kv head h // group) reads them once instead.
+    """
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    group = h // hkv
+    if mask is not None:
+        mask = mask.expand(b, 1, t, mask.shape[-1])[:, :, None].expand(b, 1, group, t, mask.shape[-1])
+        mask = mask.reshape(b, 1, group * t, -1)
+    out = F.scaled_dot_product_attention(q.reshape(b, hkv, group * t, d), k, v, attn_mask=mask)
+    return out.reshape(b, h, t, d)
 
 
 class MLP(nn.Module):

@@ -17,6 +17,7 @@ import torch
 
 from pipeline.engine.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
 from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
+from pipeline.engine.graphs import GraphedTarget
 from pipeline.engine.model import Transformer, make_context
 from pipeline.engine.sampling import RequestError, SamplingParams, choose
 from pipeline.engine.speculative import PlainProposer, Proposer, StepInput, TargetPass
@@ -84,6 +85,11 @@ class Engine:
         self.device = target.lm_head.weight.device
         self.proposer: Proposer = proposer or PlainProposer(self.device)
         self.cache = target.new_cache(limits.max_seq_len + self.proposer.max_nodes)
+        # CUDA graphs for decode and verification steps; the CPU path stays eager. Set to None to
+        # run a CUDA engine eagerly (the benchmark does, to show what the graphs buy).
+        self.graphs: GraphedTarget | None = None
+        if self.device.type == "cuda":
+            self.graphs = GraphedTarget(target, self.cache, self.proposer.capture_layers)
         self._lock = threading.Lock()  # one KV cache: requests run one at a time
 
     @classmethod
@@ -156,6 +162,8 @@ class Engine:
 
     def _forward(self, tokens: torch.Tensor, prefix_len: int, positions: torch.Tensor,
                  tree_mask: torch.Tensor | None) -> TargetPass:
+        if self.graphs is not None and self.graphs.supports(tokens.shape[0], prefix_len):
+            return TargetPass(*self.graphs.run(tokens, prefix_len, positions, tree_mask))
         ctx = make_context(self.cache, self.target.rotary, prefix_len, positions, tree_mask)
         hidden, captured = self.target(tokens[None], ctx, self.proposer.capture_layers)
         return TargetPass(hidden[0], [c[0] for c in captured])

