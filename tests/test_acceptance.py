@@ -70,8 +70,8 @@ def test_greedy_acceptance_takes_the_deepest_matching_path():
 # ---------------------------------------------------------------------------------------------
 # Lossless speculative sampling: the first emitted token must follow the target's distribution.
 
-SAMPLES = 12000
-TV_BOUND = 0.03  # sampling noise at this size is about 0.01
+SAMPLES = 4000
+TV_BOUND = 0.04  # sampling noise at this size is about 0.01; the broken rule measures 0.1 to 0.25
 
 
 def first_token_histogram(tree: DraftTree, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
