@@ -178,3 +178,21 @@ def test_smollm2_random_medusa_and_eagle_are_lossless(smollm2_engine_dir):
         engine = Engine(target, plain_engine.tokenizer, plain_engine.limits, SpecConfig(mode="medusa"), proposer)
         for t in texts:
             assert greedy(engine, t, 20).token_ids == expected[t], (name, t)
+
+
+def test_sampling_modes_run_and_are_seeded(tiny_llama_dir, plain, tmp_path):
+    """Lossless sampling (EAGLE, draft model) and Medusa typical acceptance: reproducible per seed, greedy still exact."""
+    vocab = vocab_of(tiny_llama_dir)
+    cases = {
+        "typical": dict(medusa=make_random_medusa(tmp_path / "m", HIDDEN, vocab, with_lm_head=False), acceptance="typical"),
+        "eagle": SPEC_CASES["eagle-dynamic"](tmp_path, vocab),
+        "draft": SPEC_CASES["draft-model"](tmp_path, vocab),
+    }
+    hot = SamplingParams(max_tokens=20, temperature=0.8, top_k=40, seed=11, end_id=-1)
+    for name, flags in cases.items():
+        engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / name, **flags))
+        ids = engine.tokenizer(PROMPTS[1]).input_ids
+        first = engine.generate(ids, hot)
+        assert len(first.token_ids) == 20 and all(0 <= t < vocab for t in first.token_ids)
+        assert engine.generate(ids, hot).token_ids == first.token_ids, name
+        assert greedy(engine, PROMPTS[1], 13).token_ids == greedy(plain, PROMPTS[1], 13).token_ids, name
