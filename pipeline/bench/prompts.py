@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 from pipeline.errors import UserError
 
@@ -47,3 +48,12 @@ def load_prompts(path: Path | None, limit: int) -> list[str]:
     if not prompts:
         raise UserError(f"{path}: no prompts found")
     return prompts
+
+
+def chat_text(tokenizer: Any, prompt: str) -> str:
+    """One user turn through the tokenizer's chat template, ready for `tokenizer(text).input_ids`;
+    the prompt itself when the tokenizer has no template."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+    return prompt

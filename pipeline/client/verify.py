@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from pipeline.bench.prompts import chat_text
 from pipeline.client.client import Sampling, generate_ids
 
 GREEDY = 0.0
@@ -34,13 +35,6 @@ class PromptResult:
     reference_margin: float | None  # top-1 minus top-2 logit of the reference at the divergence
     acceptance_length: float
     acceptance_rate: float
-
-
-def chat_text(tokenizer: Any, prompt: str) -> str:
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False)
-    return prompt
 
 
 def reference_generate(model: Any, prompt_ids: list[int], max_tokens: int, end_id: int | None

@@ -38,13 +38,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
-    """Exactly `tokenizer(text).input_ids`, or the chat template's ids for one user turn."""
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise UserError("--chat: this engine's tokenizer has no chat template; drop --chat")
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
-    return tokenizer(text).input_ids
+    """Exactly `tokenizer(text).input_ids`, of the chat-templated text with --chat."""
+    from pipeline.bench.prompts import chat_text
+
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise UserError("--chat: this engine's tokenizer has no chat template; drop --chat")
+    return tokenizer(chat_text(tokenizer, text) if chat else text).input_ids
 
 
 def _load(engine_dir: Path, device: str):
