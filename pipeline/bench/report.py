@@ -80,6 +80,7 @@ def plot_throughput(systems: dict[str, Any], path: Path) -> None:
         conc = [r["concurrency"] for r in runs]
         ax1.plot(conc, [r["output_tokens_per_s"] for r in runs], marker="o", label=name)
         ax2.plot(conc, [r["ttft_p50_s"] * MS for r in runs], marker="o", label=name)
+    ax2.set_yscale("log")  # queueing makes TTFT span orders of magnitude across systems
     for ax, title in ((ax1, "output tokens/s"), (ax2, "TTFT p50 (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
@@ -92,12 +93,14 @@ def plot_throughput(systems: dict[str, Any], path: Path) -> None:
 
 
 def plot_acceptance(systems: dict[str, Any], path: Path) -> None:
-    """Per-request acceptance lengths where the server reports them; vLLM's run means as lines."""
+    """Per-request acceptance lengths where the server reports them (first run only: greedy requests
+    repeat the same drafts at every concurrency); vLLM's run means as lines."""
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, sys in systems.items():
-        per_request = [x for r in sys.get("runs", []) for x in r.get("acceptance_lengths", [])]
-        if per_request:
-            ax.hist(per_request, bins=20, alpha=0.6, label=f"{name} (per request)")
+        runs = [r for r in sys.get("runs", []) if r.get("acceptance_lengths")]
+        if runs:
+            ax.hist(runs[0]["acceptance_lengths"], bins=20, alpha=0.6,
+                    label=f"{name} (per request, concurrency {runs[0]['concurrency']})")
             continue
         means = [r["acceptance_length"] for r in sys.get("runs", []) if r.get("acceptance_length")]
         for i, m in enumerate(means):
