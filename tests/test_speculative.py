@@ -170,14 +170,14 @@ def test_smollm2_random_medusa_and_eagle_are_lossless(smollm2_engine_dir):
     net.lm_head.weight.data.copy_(target.lm_head.weight)
     proposers = {
         "medusa": MedusaProposer(heads, build_tree(parse_choices("mc_sim_7b_63"))),
-        "eagle-dynamic": EagleProposer(net, 2048, None, DynamicTreeConfig(top_k=6, depth=4, max_non_leaves_per_layer=6), 24),
+        "eagle-dynamic": EagleProposer(net, 2048, None, DynamicTreeConfig(top_k=6, depth=4, max_non_leaves_per_layer=6), 16),
     }
-    texts = ["The capital of France is", "Write a short poem about the sea, the sea."]
-    expected = {t: greedy(plain_engine, t, 20).token_ids for t in texts}
+    # One prompt each: a 64-node verification on 2 CPU cores is the slow part of the suite.
+    cases = {"medusa": ("The capital of France is", 12), "eagle-dynamic": ("Write a short poem about the sea.", 16)}
     for name, proposer in proposers.items():
+        text, n = cases[name]
         engine = Engine(target, plain_engine.tokenizer, plain_engine.limits, SpecConfig(mode="medusa"), proposer)
-        for t in texts:
-            assert greedy(engine, t, 20).token_ids == expected[t], (name, t)
+        assert greedy(engine, text, n).token_ids == greedy(plain_engine, text, n).token_ids, name
 
 
 def test_sampling_modes_run_and_are_seeded(tiny_llama_dir, plain, tmp_path):
