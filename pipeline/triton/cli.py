@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_triton_repo(args: argparse.Namespace) -> int:
     out = write_repository(args.engine, args.output, args.device)
-    print(f"wrote Triton model repository {out} (models: {', '.join(sorted(p.name for p in out.iterdir()))})")
+    print(f"wrote Triton model repository {out} (models: {', '.join(sorted(p.name for p in out.iterdir() if p.is_dir()))})")
     return 0
 
 

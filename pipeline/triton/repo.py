@@ -153,12 +153,16 @@ def _model_source(name: str) -> str:
     return (MODELS_SOURCE_DIR / f"{name}.py").read_text()
 
 
+REPOSITORY_README = (Path(__file__).parent / "REPOSITORY_README.md").read_text()
+
+
 def repository_files(engine: EngineDir, device: str = "cpu") -> dict[str, str]:
     """Every file of the repository as {relative path: text}; empty text for `ensemble/1/.keep`."""
     if engine.backend not in BACKENDS:
         raise UserError(f"{engine.path / 'specpipe.json'}: backend {engine.backend!r} is unknown; "
                         f"expected one of {', '.join(BACKENDS)}")
     files = {
+        "README.md": REPOSITORY_README,  # Triton loads only model folders; this file travels with them
         f"{ENSEMBLE}/config.pbtxt": _pbtxt(ensemble_config(engine)),
         f"{ENSEMBLE}/1/.keep": "",  # Triton needs the version folder; the ensemble has no model file
         f"{PREPROCESSING}/config.pbtxt": _pbtxt(preprocessing_config(engine)),
