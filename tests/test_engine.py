@@ -102,3 +102,32 @@ def test_generate_cli_json(tiny_llama_dir, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "pipeline", "generate", "--engine", str(tmp_path / "nope"), "--prompt",
                           "x"], capture_output=True, text=True)
     assert bad.returncode == 2 and "engine folder not found" in bad.stderr
+
+
+def test_full_slot_context_matches_the_eager_step(tiny_llama_engine):
+    """The CUDA-graph path reads every cache slot with a device-side length; on the CPU its logic must give
+    the same hidden states as the eager step, for a single token and for a tree."""
+    from pipeline.engine.graphs import full_slot_context
+    from pipeline.engine.model import make_context
+    from pipeline.engine.tree import build_tree, parse_choices
+
+    target = tiny_llama_engine.target
+    prompt = torch.tensor(tiny_llama_engine.tokenizer(PROMPTS[2]).input_ids)
+    n = prompt.shape[0]
+    tree = build_tree(parse_choices("top16"))
+    tokens = torch.randint(0, target.cfg.vocab_size, (tree.num_nodes,))
+    with torch.inference_mode():
+        for new_tokens, tree_mask, depths in [(tokens[:1], torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long)),
+                                              (tokens, tree.mask, tree.depths)]:
+            outs = []
+            for full in (False, True):
+                cache = target.new_cache(64)
+                target(prompt[None], make_context(cache, target.rotary, 0, torch.arange(n), None))
+                positions = n + depths
+                if full:
+                    ctx = full_slot_context(cache, target.rotary, torch.tensor(n), positions, tree_mask,
+                                            torch.arange(cache.num_slots), torch.arange(64))
+                else:
+                    ctx = make_context(cache, target.rotary, n, positions, tree_mask if len(depths) > 1 else None)
+                outs.append(target(new_tokens[None], ctx)[0])
+            torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.engine.model import ForwardContext, KVCache, Transformer
+from pipeline.engine.model import ForwardContext, KVCache, Rotary, Transformer
 
 MAX_GRAPH_TOKENS = 128
 # Eager runs before capture, on a side stream: they create cuBLAS handles and workspaces, which
@@ -89,12 +89,19 @@ class GraphedTarget:
             g.hidden, g.captured = self._forward(g)
 
     def _forward(self, g: _Graph) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        t = g.tokens.shape[0]
-        rel = self.slot_ids - self.length  # slot index relative to the first new token
-        in_tree = (rel >= 0) & (rel < t)
-        mask = (rel < 0) | (g.tree_mask[:, rel.clamp(0, t - 1)] & in_tree)  # [T, slots]
-        slots = (self.length + self.offsets[:t])[None]
-        ctx = ForwardContext(g.positions[None], slots, self.cache, self.cache.num_slots, mask[None, None], False,
-                             self.target.rotary)
+        ctx = full_slot_context(self.cache, self.target.rotary, self.length, g.positions, g.tree_mask,
+                                self.slot_ids, self.offsets)
         hidden, captured = self.target(g.tokens[None], ctx, self.capture_layers)
         return hidden[0], [c[0] for c in captured]
+
+
+def full_slot_context(cache: KVCache, rotary: Rotary, length: torch.Tensor, positions: torch.Tensor,
+                      tree_mask: torch.Tensor, slot_ids: torch.Tensor, offsets: torch.Tensor) -> ForwardContext:
+    """Like model.make_context, but reading every cache slot and taking the prefix length as a
+    device tensor, so that the same kernels serve every step of a replayed graph."""
+    t = positions.shape[0]
+    rel = slot_ids - length  # slot index relative to the first new token
+    in_tree = (rel >= 0) & (rel < t)
+    mask = (rel < 0) | (tree_mask[:, rel.clamp(0, t - 1)] & in_tree)  # [T, slots]
+    slots = (length + offsets[:t])[None]
+    return ForwardContext(positions[None], slots, cache, cache.num_slots, mask[None, None], False, rotary)
