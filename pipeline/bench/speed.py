@@ -194,7 +194,7 @@ def verify_costs(engine: Engine, prefix_len: int, sizes: tuple[int, ...], repeat
         mask = tree.mask if tree is not None else None
 
         def step() -> torch.Tensor:
-            target = engine._forward(tokens, prefix_len, prefix_len + depths, mask)
+            target = engine.forward(tokens, prefix_len, prefix_len + depths, mask)
             return engine.target.logits(target.hidden).argmax(-1)
 
         out[size] = median_seconds(step, device, repeats * 10, warmup=3)

@@ -109,7 +109,7 @@ class Eagle3Net(nn.Module):
 
 def new_draft_cache(net: nn.Module, slots: int) -> KVCache:
     cfg, p = net.cfg, net.lm_head.weight
-    return KVCache(net.num_cache_layers, 1, slots, cfg.num_kv_heads, cfg.head_size, p.dtype, p.device)
+    return KVCache.allocate(net.num_cache_layers, 1, slots, cfg.num_kv_heads, cfg.head_size, p.dtype, p.device)
 
 
 def tree_context(cache: KVCache, rotary: Rotary, prefix_len: int, positions: torch.Tensor, slots: torch.Tensor,

@@ -120,15 +120,22 @@ class KVCache:
     Rolling back rejected draft tokens costs nothing: their slots are masked and overwritten.
     """
 
-    def __init__(self, num_layers: int, batch: int, slots: int, kv_heads: int, head_size: int,
-                 dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v
+
+    @classmethod
+    def allocate(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_size: int,
+                 dtype: torch.dtype, device: torch.device | str) -> "KVCache":
         shape = (num_layers, batch, slots, kv_heads, head_size)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
     @property
     def num_slots(self) -> int:
         return self.k.shape[2]
+
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """A view of batch rows [start, stop): writes through it land in this cache."""
+        return KVCache(self.k[:, start:stop], self.v[:, start:stop])
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
@@ -142,6 +149,11 @@ class KVCache:
         """Copy slots src -> dst (batch 0) in every layer: compacts an accepted tree path."""
         self.k[:, 0, dst] = self.k[:, 0, src]
         self.v[:, 0, dst] = self.v[:, 0, src]
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` slots of batch row src into row dst (a request changing rows)."""
+        self.k[:, dst, :length] = self.k[:, src, :length]
+        self.v[:, dst, :length] = self.v[:, src, :length]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,6 +281,13 @@ def make_context(cache: KVCache, rotary: Rotary, prefix_len: int, positions: tor
                           attention_mask(prefix_len, tree_mask, attn_len), False, rotary)
 
 
+def decode_context(cache: KVCache, rotary: Rotary, lengths: torch.Tensor, attn_len: int) -> ForwardContext:
+    """One new token per batch row, at slot and position lengths[b]; row b reads slots [0, lengths[b]]."""
+    positions = lengths[:, None]
+    visible = torch.arange(attn_len, device=lengths.device)[None, :] <= positions
+    return ForwardContext(positions, positions, cache, attn_len, visible[:, None, None, :], False, rotary)
+
+
 class Transformer(nn.Module):
     """The target (and draft-model) network. Returns final-norm hidden states; logits on demand."""
 
@@ -283,7 +302,8 @@ class Transformer(nn.Module):
 
     def new_cache(self, slots: int, batch: int = 1) -> KVCache:
         p = self.lm_head.weight
-        return KVCache(self.cfg.num_layers, batch, slots, self.cfg.num_kv_heads, self.cfg.head_size, p.dtype, p.device)
+        return KVCache.allocate(self.cfg.num_layers, batch, slots, self.cfg.num_kv_heads, self.cfg.head_size,
+                                p.dtype, p.device)
 
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext,
                 capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -18,7 +18,8 @@ import torch
 from pipeline.engine.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
 from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
 from pipeline.engine.graphs import GraphedTarget
-from pipeline.engine.model import Transformer, make_context
+from pipeline.engine.batcher import Batcher
+from pipeline.engine.model import KVCache, Transformer, make_context
 from pipeline.engine.sampling import RequestError, SamplingParams, choose
 from pipeline.engine.speculative import PlainProposer, Proposer, StepInput, TargetPass
 from pipeline.engine.stats import SpecStats
@@ -84,13 +85,18 @@ class Engine:
         self.spec = spec
         self.device = target.lm_head.weight.device
         self.proposer: Proposer = proposer or PlainProposer(self.device)
-        self.cache = target.new_cache(limits.max_seq_len + self.proposer.max_nodes)
+        # Plain decoding batches requests (one cache row each); a speculative engine's proposer holds
+        # per-request state, so it serves one request at a time on row 0.
+        rows = limits.max_batch_size if isinstance(self.proposer, PlainProposer) else 1
+        self.batch_cache = target.new_cache(limits.max_seq_len + self.proposer.max_nodes, batch=rows)
+        self.cache = self.batch_cache.rows(0, 1)
         # CUDA graphs for decode and verification steps; the CPU path stays eager. Set to None to
         # run a CUDA engine eagerly (the benchmark does, to show what the graphs buy).
         self.graphs: GraphedTarget | None = None
         if self.device.type == "cuda":
             self.graphs = GraphedTarget(target, self.cache, self.proposer.capture_layers)
-        self._lock = threading.Lock()  # one KV cache: requests run one at a time
+        self.batcher = Batcher(self) if rows > 1 else None
+        self._lock = threading.Lock()  # speculative engines: one request at a time
 
     @classmethod
     def from_dir(cls, engine_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> "Engine":
@@ -121,19 +127,29 @@ class Engine:
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
         self.validate(prompt_ids, params)
+        if self.batcher is not None:
+            yield from self.batcher.stream(prompt_ids, params)
+            return
         with self._lock, torch.inference_mode():
             yield from self._decode(list(prompt_ids), params)
 
-    # ------------------------------------------------------------------------------------------
-    def _decode(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
+    def request_state(self, params: SamplingParams) -> tuple[torch.Generator, _StopChecker]:
+        """A request's own random generator (seeded when asked) and stop conditions."""
         generator = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
         end_id = self.tokenizer.eos_token_id if params.end_id is None else (None if params.end_id < 0 else params.end_id)
-        stop = _StopChecker(params, end_id, self.tokenizer)
+        return generator, _StopChecker(params, end_id, self.tokenizer)
+
+    def result(self, prompt_ids: list[int], out: list[int], reason: str, stats: SpecStats) -> GenerationResult:
+        return GenerationResult(prompt_ids, out, self.tokenizer.decode(out, skip_special_tokens=True), reason, stats)
+
+    # ------------------------------------------------------------------------------------------
+    def _decode(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
+        generator, stop = self.request_state(params)
         stats = SpecStats()
         out: list[int] = []
 
         prompt = torch.tensor(prompt_ids, device=self.device)
-        target = self._forward(prompt, 0, torch.arange(len(prompt_ids), device=self.device), None)
+        target = self.forward(prompt, 0, torch.arange(len(prompt_ids), device=self.device), None)
         root = choose(self.target.logits(target.hidden[-1:]), params, generator)
         self.proposer.start(prompt, target, root)
         length = len(prompt_ids)
@@ -143,7 +159,7 @@ class Engine:
             yield StreamChunk(new, False)
             step = StepInput(root, length, prompt_ids + out, params, generator)
             tree = self.proposer.propose(step)
-            target = self._forward(tree.tokens, length, length + tree.depths, tree.mask if tree.num_nodes > 1 else None)
+            target = self.forward(tree.tokens, length, length + tree.depths, tree.mask if tree.num_nodes > 1 else None)
             acc = self._accept(tree, self.target.logits(target.hidden), params, generator)
             if tree.num_nodes > 1:
                 slots = torch.arange(length, length + tree.max_depth + 1, device=self.device)
@@ -156,15 +172,15 @@ class Engine:
             root = acc.tokens[num_accepted].view(1)
             new = stop.take(out, host[:num_accepted + 1])
 
-        text = self.tokenizer.decode(out, skip_special_tokens=True)
-        result = GenerationResult(prompt_ids, out, text, stop.reason, stats)
-        yield StreamChunk(new, True, result)
+        yield StreamChunk(new, True, self.result(prompt_ids, out, stop.reason, stats))
 
-    def _forward(self, tokens: torch.Tensor, prefix_len: int, positions: torch.Tensor,
-                 tree_mask: torch.Tensor | None) -> TargetPass:
-        if self.graphs is not None and self.graphs.supports(tokens.shape[0], prefix_len):
+    def forward(self, tokens: torch.Tensor, prefix_len: int, positions: torch.Tensor,
+                tree_mask: torch.Tensor | None, cache: KVCache | None = None) -> TargetPass:
+        """The target over T new tokens of one sequence (row 0 unless `cache` is another row)."""
+        cache = self.cache if cache is None else cache
+        if cache is self.cache and self.graphs is not None and self.graphs.supports(tokens.shape[0], prefix_len):
             return TargetPass(*self.graphs.run(tokens, prefix_len, positions, tree_mask))
-        ctx = make_context(self.cache, self.target.rotary, prefix_len, positions, tree_mask)
+        ctx = make_context(cache, self.target.rotary, prefix_len, positions, tree_mask)
         hidden, captured = self.target(tokens[None], ctx, self.proposer.capture_layers)
         return TargetPass(hidden[0], [c[0] for c in captured])
 

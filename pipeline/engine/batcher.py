@@ -1,0 +1,146 @@
+"""Continuous batching for plain decoding: one thread steps every active request together.
+
+Requests join between steps (each prefill runs alone, into a free row of the batch KV cache) and
+leave when they stop; the last active row then moves into the freed one, so active requests always
+hold rows 0..n-1 and a step reads one contiguous slice of the cache. A step with a single active
+request is exactly the single-stream step (same kernels, CUDA graphs included), so batch-1 output
+is unchanged. Speculative engines do not batch: their proposers keep per-request state (draft KV
+caches, head inputs), so they serve one request at a time.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from pipeline.engine.model import decode_context
+from pipeline.engine.sampling import SamplingParams, choose
+from pipeline.engine.stats import SpecStats
+
+if TYPE_CHECKING:
+    from pipeline.engine.runner import Engine, StreamChunk, _StopChecker
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    stop: "_StopChecker"
+    chunks: queue.Queue  # StreamChunk, or the exception that ended the batch loop
+    out: list[int] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+    length: int = 0  # tokens whose KV is cached
+    last: int = 0  # the last emitted token, not yet cached
+    cancelled: bool = False
+
+
+class Batcher:
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+        self.rows = engine.batch_cache.k.shape[1]
+        self.pending: collections.deque[_Request] = collections.deque()
+        self.active: list[_Request] = []  # request i holds cache row i
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None  # runs while any request is pending or active
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator["StreamChunk"]:
+        generator, stop = self.engine.request_state(params)
+        request = _Request(list(prompt_ids), params, generator, stop, queue.Queue())
+        with self.lock:
+            self.pending.append(request)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._loop, name="specpipe-batcher")
+                self.thread.start()
+        try:
+            while True:
+                item = request.chunks.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            request.cancelled = True  # a consumer that stops reading frees the row at the next step
+
+    # -- the batch loop (its own thread) -------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                if not self.pending and not self.active:
+                    # Idle: end the thread (the next request starts another). It is not a daemon, so
+                    # the interpreter waits for it rather than killing it inside torch at exit.
+                    self.thread = None
+                    return
+                joining = [self.pending.popleft() for _ in range(min(len(self.pending), self.rows - len(self.active)))]
+            try:
+                with torch.inference_mode():
+                    for request in joining:
+                        self._prefill(request)
+                    if self.active:
+                        self._step()
+            except Exception as exc:  # a failed step ends every request in it, loudly
+                for request in self.active + [r for r in joining if r not in self.active]:
+                    request.chunks.put(exc)
+                self.active.clear()
+
+    def _prefill(self, request: _Request) -> None:
+        engine, row = self.engine, len(self.active)
+        cache = engine.batch_cache.rows(row, row + 1)
+        prompt = torch.tensor(request.prompt_ids, device=engine.device)
+        target = engine.forward(prompt, 0, torch.arange(len(prompt), device=engine.device), None, cache)
+        first = choose(engine.target.logits(target.hidden[-1:]), request.params, request.generator)
+        request.length, request.last = len(prompt), int(first)
+        self.active.append(request)
+        self._emit([request], [request.last], counts_step=False)
+
+    def _step(self) -> None:
+        engine, n = self.engine, len(self.active)
+        tokens = torch.tensor([r.last for r in self.active], device=engine.device)
+        lengths = torch.tensor([r.length for r in self.active], device=engine.device)
+        if n == 1:
+            hidden = engine.forward(tokens, self.active[0].length, lengths, None).hidden
+        else:
+            ctx = decode_context(engine.batch_cache.rows(0, n), engine.target.rotary, lengths, int(lengths.max()) + 1)
+            hidden = engine.target(tokens[:, None], ctx)[0][:, 0]
+        logits = engine.target.logits(hidden)
+        chosen = logits.argmax(-1)
+        for i, r in enumerate(self.active):
+            if not r.params.greedy:
+                chosen[i] = choose(logits[i:i + 1], r.params, r.generator)[0]
+        for r in self.active:
+            r.length += 1
+        self._emit(list(self.active), chosen.tolist(), counts_step=True)  # the step's one sync
+
+    def _emit(self, requests: list[_Request], tokens: list[int], counts_step: bool) -> None:
+        from pipeline.engine.runner import StreamChunk
+
+        finished = []
+        for r, token in zip(requests, tokens):
+            if counts_step:
+                r.stats.record(0, 0, 0)
+            r.last = token
+            new = r.stop.take(r.out, [token])
+            if r.cancelled:
+                finished.append(r)
+            elif r.stop.reason:
+                r.chunks.put(StreamChunk(new, True, self.engine.result(r.prompt_ids, r.out, r.stop.reason, r.stats)))
+                finished.append(r)
+            else:
+                r.chunks.put(StreamChunk(new, False))
+        for r in finished:
+            self._leave(r)
+
+    def _leave(self, request: _Request) -> None:
+        """Free the request's row; the last active request moves into it."""
+        row, last = self.active.index(request), len(self.active) - 1
+        if row != last:
+            mover = self.active[last]
+            self.engine.batch_cache.move_row(last, row, mover.length)
+            self.active[row] = mover
+        self.active.pop()
