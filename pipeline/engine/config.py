@@ -10,12 +10,11 @@ An engine directory holds, for both backends:
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import UserError
+from pipeline.errors import UserError, read_json
 
 SPEC_MODES = ("none", "medusa", "eagle", "eagle3", "draft_model", "ngram")
 ACCEPTANCE_RULES = ("lossless", "typical")
@@ -121,19 +120,11 @@ class EngineDir:
         path = Path(path)
         if not path.is_dir():
             raise UserError(f"{path}: engine folder not found; build one with `specpipe build` or `make build-engines`")
-        cfg = _read_json(path / "config.json", "engine config")
-        side = _read_json(path / SPECPIPE_FILE, "engine metadata")
+        rebuild = "rebuild the engine with `specpipe build`"
+        cfg = read_json(path / "config.json", "engine config", rebuild)
+        side = read_json(path / SPECPIPE_FILE, "engine metadata", rebuild)
         for key in ("pretrained_config", "build_config"):
             if key not in cfg:
                 raise UserError(f"{path / 'config.json'}: missing {key!r}; rebuild the engine with `specpipe build`")
         return cls(path, side.get("backend", "portable"), cfg["pretrained_config"], cfg["build_config"],
                    SpecConfig.from_dict(side.get("speculative", {})))
-
-
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise UserError(f"{path}: {what} not found; rebuild the engine with `specpipe build`")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: {what} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
