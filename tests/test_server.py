@@ -148,6 +148,26 @@ def test_two_streaming_clients_at_once(server, engine):
         assert replies[prompt].num_output_tokens == len(expected.token_ids)
 
 
+def test_many_streams_batch_and_stay_exact(server, engine):
+    """More concurrent streams than the engine has batch rows, over gRPC and HTTP: the plain engine
+    batches them (responses are sent from several threads at once) and each stream gets its own text."""
+    jobs = [(PROMPTS[i % len(PROMPTS)], 24 + 4 * i, "grpc" if i % 2 else "http") for i in range(6)]
+    replies: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        prompt, n, protocol = jobs[i]
+        url = server.grpc_url if protocol == "grpc" else server.http_url
+        replies[i] = generate(url, prompt, Sampling(max_tokens=n), stream=True, protocol=protocol)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, (prompt, n, _) in enumerate(jobs):
+        assert replies[i].text == direct(engine, prompt, n).text, jobs[i]
+
+
 def test_acceptance_counters_on_the_metrics_port(server):
     generate(server.grpc_url, PROMPTS[0], Sampling(max_tokens=MAX_TOKENS))
     text = urllib.request.urlopen(server.metrics_url).read().decode()

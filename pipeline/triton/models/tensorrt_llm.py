@@ -16,6 +16,19 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.engine.runner import Engine, RequestError, SamplingParams
 
+# The Python backend's response path is not safe under concurrent sends from several threads
+# (seen: boost lock_exception and a segfault in libtriton_python with 4 streams): one lock for all.
+_SEND_LOCK = threading.Lock()
+
+
+def _send(sender, response=None, flags=0):
+    with _SEND_LOCK:
+        if response is None:
+            sender.send(flags=flags)
+        else:
+            sender.send(response, flags=flags)
+
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 REPLACEMENT_CHAR = "\ufffd"  # what a token sequence ending inside a UTF-8 character decodes to
 # Inputs the portable engine does not implement, with the value that means "off".
@@ -102,10 +115,10 @@ class TritonPythonModel:
         try:
             self._generate(request, sender, arrival_ns)
         except RequestError as exc:
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"tensorrt_llm: {exc}")), flags=FINAL)
+            _send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(f"tensorrt_llm: {exc}")), flags=FINAL)
         except Exception as exc:  # a bug must still end the request; the server keeps serving others
             traceback.print_exc()
-            sender.send(pb_utils.InferenceResponse(
+            _send(sender, pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"tensorrt_llm: internal error: {type(exc).__name__}: {exc}")), flags=FINAL)
         finally:
             with self.workers_lock:
@@ -157,12 +170,12 @@ class TritonPythonModel:
             if first_token_ns is None and chunk.token_ids:
                 first_token_ns = time.time_ns()
             if request.is_cancelled():
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("tensorrt_llm: cancelled")),
+                _send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError("tensorrt_llm: cancelled")),
                             flags=FINAL)
                 return
             pending.extend(chunk.token_ids)
             if streaming and pending and not chunk.finished and self._ends_cleanly(pending):
-                sender.send(pb_utils.InferenceResponse(output_tensors=self._tokens(pending)))
+                _send(sender, pb_utils.InferenceResponse(output_tensors=self._tokens(pending)))
                 pending = []
         result = chunk.result
         last_token_ns = time.time_ns()
@@ -190,7 +203,7 @@ class TritonPythonModel:
             outputs.append(_tensor("num_input_tokens", [len(result.prompt_token_ids)], np.int32))
         if want_counts[1]:
             outputs.append(_tensor("num_output_tokens", [len(result.token_ids)], np.int32))
-        sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
+        _send(sender, pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
 
     def _ends_cleanly(self, tokens):
         return not self.engine.tokenizer.decode(tokens).endswith(REPLACEMENT_CHAR)
@@ -204,4 +217,5 @@ class TritonPythonModel:
         stats = result.stats
         for key, value in (("requests", 1), ("generated", len(result.token_ids)), ("steps", stats.steps),
                            ("drafted", stats.draft_tokens), ("accepted", stats.accepted_tokens)):
-            self.counters[key].increment(value)
+            with _SEND_LOCK:  # metric updates go through the same shared-memory channel
+                self.counters[key].increment(value)

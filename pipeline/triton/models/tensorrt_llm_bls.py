@@ -38,6 +38,18 @@ PASSTHROUGH_OUTPUTS = (
     "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns", "acceptance_rate",
     "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens", "num_output_tokens")
 
+# The Python backend's response path is not safe under concurrent sends from several threads
+# (seen: boost lock_exception and a segfault in libtriton_python with 4 streams): one lock for all.
+_SEND_LOCK = threading.Lock()
+
+
+def _send(sender, response=None, flags=0):
+    with _SEND_LOCK:
+        if response is None:
+            sender.send(flags=flags)
+        else:
+            sender.send(response, flags=flags)
+
 
 class BlsError(Exception):
     """A composing model answered with an error; its message goes back to the client."""
@@ -83,10 +95,10 @@ class TritonPythonModel:
         try:
             self._generate(request, sender)
         except BlsError as exc:
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
+            _send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
         except Exception as exc:  # a bug must still end the request; the server keeps serving others
             traceback.print_exc()
-            sender.send(pb_utils.InferenceResponse(
+            _send(sender, pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"tensorrt_llm_bls: internal error: {type(exc).__name__}: {exc}")),
                 flags=FINAL)
         finally:
@@ -134,8 +146,8 @@ class TritonPythonModel:
             outputs += [t for name in PASSTHROUGH_OUTPUTS
                         if (t := pb_utils.get_output_tensor_by_name(response, name)) is not None]
             if streaming:
-                sender.send(pb_utils.InferenceResponse(output_tensors=outputs))
+                _send(sender, pb_utils.InferenceResponse(output_tensors=outputs))
             else:
-                sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
+                _send(sender, pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
                 return
-        sender.send(flags=FINAL)
+        _send(sender, flags=FINAL)
