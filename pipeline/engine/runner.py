@@ -157,7 +157,7 @@ class Engine:
 
         while not stop.reason:
             yield StreamChunk(new, False)
-            step = StepInput(root, length, prompt_ids + out, params, generator)
+            step = StepInput(root, length, prompt_ids, out, params, generator)
             tree = self.proposer.propose(step)
             target = self.forward(tree.tokens, length, length + tree.depths, tree.mask if tree.num_nodes > 1 else None)
             acc = self._accept(tree, self.target.logits(target.hidden), params, generator)

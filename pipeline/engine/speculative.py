@@ -31,9 +31,15 @@ class StepInput:
 
     root: torch.Tensor  # [1] the last emitted token, not yet in the target's cache
     length: int  # target cache length; the root sits at this position
-    history: list[int]  # prompt + emitted tokens (host copy, root included)
+    prompt: list[int]
+    emitted: list[int]  # root included (the request's own list: read, never modify)
     params: SamplingParams
     generator: torch.Generator
+
+    @property
+    def history(self) -> list[int]:
+        """Prompt + emitted tokens; built only by the proposers that read it (n-gram, draft model)."""
+        return self.prompt + self.emitted
 
 
 class Proposer(Protocol):
