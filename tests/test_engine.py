@@ -164,3 +164,15 @@ def test_concurrent_plain_requests_are_batched_and_exact(tiny_llama_engine):
 
 def greedy_ids(engine: Engine, text: str, n: int) -> list[int]:
     return engine.generate(engine.tokenizer(text).input_ids, SamplingParams(max_tokens=n, end_id=-1)).token_ids
+
+
+def test_sequences_past_max_position_embeddings(tmp_path):
+    """An engine built for longer sequences than the config's max_position_embeddings extends its RoPE tables
+    (as Hugging Face computes them on the fly) instead of failing mid-generation."""
+    from pipeline.convert.tiny import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "short", seed=3, max_position_embeddings=32)
+    engine = Engine.from_dir(convert_and_build(folder, tmp_path, max_input_len=16, max_seq_len=96))
+    ids = engine.tokenizer(PROMPTS[0]).input_ids
+    got = engine.generate(ids, SamplingParams(max_tokens=60, end_id=-1))
+    assert got.token_ids == hf_greedy(load_hf_model(str(folder)), ids, 60)

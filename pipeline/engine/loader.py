@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,13 +18,19 @@ from pipeline.engine.runner import Engine
 from pipeline.engine.speculative import Proposer
 from pipeline.engine.tree import build_tree
 from pipeline.engine.weights import engine_state_dict, load_into
-from pipeline.errors import UserError
+from pipeline.errors import UserError, read_json
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def build_transformer(config: dict, tensors: dict[str, torch.Tensor], what: str) -> Transformer:
-    model = Transformer(ModelConfig.from_pretrained_config(config, set(tensors)))
+def model_config(config: dict, tensors: dict[str, torch.Tensor], positions: int = 0) -> ModelConfig:
+    """The config, with RoPE tables long enough for `positions` (an engine's sequence plus its deepest draft)."""
+    cfg = ModelConfig.from_pretrained_config(config, set(tensors))
+    return replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, positions))
+
+
+def build_transformer(config: dict, tensors: dict[str, torch.Tensor], what: str, positions: int = 0) -> Transformer:
+    model = Transformer(model_config(config, tensors, positions))
     state = engine_state_dict(tensors, "transformer.", "")
     state["lm_head.weight"] = tensors.get("lm_head.weight", tensors["transformer.vocab_embedding.weight"])
     load_into(model, state, what)
@@ -41,7 +47,7 @@ def load_engine(engine: EngineDir, device: torch.device, dtype: torch.dtype | No
                         "build with --backend portable")
     config, tensors = read_checkpoint(engine.path)
     dtype = dtype or DTYPES[config.get("dtype", "float32")]
-    target = build_transformer(config, tensors, str(engine.path)).to(device, dtype).eval()
+    target = build_transformer(config, tensors, str(engine.path), max_positions(engine)).to(device, dtype).eval()
     limits = engine.limits
     proposer = make_proposer(engine, config, tensors, target, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(engine.tokenizer_dir)
@@ -62,7 +68,7 @@ def make_proposer(engine: EngineDir, config: dict, tensors: dict[str, torch.Tens
         load_into(heads, engine_state_dict(tensors, "medusa_heads.", ""), f"{engine.path} medusa heads")
         return MedusaProposer(_ready(heads, device, dtype), build_tree(spec.choices).to(device))
     if spec.mode == "eagle":
-        net = EagleNet(ModelConfig.from_pretrained_config(config["eagle_net_config"], set(tensors)),
+        net = EagleNet(model_config(config["eagle_net_config"], tensors, max_positions(engine)),
                        fc_bias="eagle_nets.0.drafter.fc.bias" in tensors)
         state = engine_state_dict(tensors, "eagle_nets.0.", "drafter.")
         load_into(net, state, f"{engine.path} eagle draft")
@@ -73,9 +79,14 @@ def make_proposer(engine: EngineDir, config: dict, tensors: dict[str, torch.Tens
         from pipeline.convert.checkpoint import read_checkpoint
 
         draft_config, draft_tensors = read_checkpoint(engine.draft_dir)
-        draft = build_transformer(draft_config, draft_tensors, str(engine.draft_dir))
+        draft = build_transformer(draft_config, draft_tensors, str(engine.draft_dir), max_positions(engine))
         return DraftModelProposer(_ready(draft, device, dtype), spec.max_draft_len, slots)
     raise UserError(f"{engine.path}: speculative mode {spec.mode!r} has no portable runtime")
+
+
+def max_positions(engine: EngineDir) -> int:
+    """Positions a request can reach: the sequence, plus a draft tree's depth past it."""
+    return engine.limits.max_seq_len + engine.limits.max_draft_len + 1
 
 
 def _ready(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -104,10 +115,7 @@ def eagle3_capture_layers(num_layers: int) -> tuple[int, ...]:
 def load_eagle3(draft_dir: Path, target: Transformer) -> Eagle3Net:
     from safetensors.torch import load_file
 
-    cfg_path = draft_dir / "config.json"
-    if not cfg_path.is_file():
-        raise UserError(f"{cfg_path}: EAGLE-3 draft config not found; reconvert with --eagle3")
-    hf = json.loads(cfg_path.read_text())
+    hf = read_json(draft_dir / "config.json", "EAGLE-3 draft config", "reconvert with --eagle3")
     tensors = load_file(str(draft_dir / "model.safetensors"))
     t = target.cfg
     cfg = ModelConfig(
@@ -119,7 +127,9 @@ def load_eagle3(draft_dir: Path, target: Transformer) -> Eagle3Net:
         norm_epsilon=hf.get("rms_norm_eps", t.norm_epsilon), rope_theta=t.rope_theta, rope_scaling=t.rope_scaling,
         max_position_embeddings=t.max_position_embeddings)
     draft_vocab = tensors["lm_head.weight"].shape[0] if "lm_head.weight" in tensors else t.vocab_size
-    layers = tuple(hf.get("eagle3_layers_to_capture") or eagle3_capture_layers(t.num_layers))
+    # TensorRT-LLM's option name, or the name our trainer records; else TensorRT-LLM's default.
+    layers = tuple(hf.get("eagle3_layers_to_capture") or hf.get("fused_target_layer_outputs")
+                   or eagle3_capture_layers(t.num_layers))
     net = Eagle3Net(cfg, layers, draft_vocab, fc_bias="fc.bias" in tensors)
     state = {}
     qkv = [tensors.pop(f"midlayer.self_attn.{x}_proj.weight") for x in "qkv"]
