@@ -9,7 +9,6 @@ Everything the verifier needs (attention mask, position offsets, retrieval paths
 from __future__ import annotations
 
 import ast
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,10 +96,6 @@ def validate_choices(choices: Choices, max_depth: int | None = None, max_draft_l
 def choices_to_triton(choices: Choices) -> str:
     """The brace form the TensorRT-LLM Triton backend parses: `{0}, {0, 0}, {1}`."""
     return ", ".join("{" + ", ".join(map(str, p)) + "}" for p in choices)
-
-
-def choices_to_json(choices: Choices) -> str:
-    return json.dumps(choices)
 
 
 @dataclass(frozen=True)
