@@ -93,23 +93,25 @@ def accept_sampling(tree: DraftTree, logits: torch.Tensor, params: SamplingParam
     for i, p in enumerate(tree.parents.tolist()):
         if p >= 0:
             children.setdefault(p, []).append(i)
-    node = 0
-    residual = probs[0].clone()
-    while True:
-        for child in children.get(node, []):
-            x = tokens[child]
-            q = draft[child] if draft is not None else _one_hot(x, residual)
-            ratio = residual[x] / q[x] if q[x] > 0 else 0.0
-            if torch.rand((), generator=generator, dtype=torch.float64) < ratio:
-                node = child
-                residual = probs[child].clone()
-                break
-            residual = rejection_residual(residual, q, probs[node])
-        else:
-            break
+    node, residual = 0, probs[0].clone()
+    while (child := _try_children(children.get(node, []), tokens, draft, residual, probs[node], generator)) is not None:
+        node, residual = child, probs[child].clone()
     bonus = torch.multinomial(residual, 1, generator=generator)[0]
     device = tree.tokens.device
     return _finish(tree, torch.tensor(node, device=device), bonus.to(device))
+
+
+def _try_children(children: list[int], tokens: list[int], draft: torch.Tensor | None, residual: torch.Tensor,
+                  p: torch.Tensor, generator: torch.Generator) -> int | None:
+    """Try each child in turn: the accepted one, or None with `residual` (in place) left for the bonus draw."""
+    for child in children:
+        x = tokens[child]
+        q = draft[child] if draft is not None else _one_hot(x, residual)
+        ratio = residual[x] / q[x] if q[x] > 0 else 0.0
+        if torch.rand((), generator=generator, dtype=torch.float64) < ratio:
+            return child
+        residual.copy_(rejection_residual(residual, q, p))
+    return None
 
 
 def rejection_residual(p: torch.Tensor, q: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
