@@ -21,7 +21,7 @@ from conftest import convert_and_build
 from pipeline.client.client import (BLS, ENSEMBLE, Sampling, TritonRequestError, generate, generate_ids, infer_grpc,
                                     infer_http, text_inputs)
 from pipeline.client.verify import verify
-from pipeline.convert.tiny import TINY_SHAPES, make_random_medusa
+from pipeline.convert.tiny import TINY_SHAPES, make_random_medusa, make_tiny_model
 from pipeline.engine.runner import Engine, SamplingParams
 from pipeline.triton.repo import write_repository
 from pipeline.triton.server import READY_TIMEOUT_S, SHM_DIR, TritonServer, free_ports
@@ -227,3 +227,23 @@ def test_verifier_smollm2(smollm2_engine_dir, smollm2_source, tmp_path):
     for server in _serve(smollm2_engine_dir, tmp_path):
         results = verify(server.grpc_url, smollm2_source, ["What is the capital of France?"], 24)
         assert results[0].match, results[0]
+
+
+def test_bls_draft_model_loop_is_lossless(tiny_llama_dir, tmp_path):
+    """A draft-model engine's repository carries the draft as `tensorrt_llm_draft`; the BLS model then
+    speculates as TensorRT-LLM's does (draft proposes, target verifies draft_input_ids) and its text
+    equals plain greedy decoding, streamed or not; the ensemble path (in-engine speculation) agrees."""
+    draft = make_tiny_model(tmp_path / "draft", seed=5, num_hidden_layers=1)
+    engine_dir = convert_and_build(tiny_llama_dir, tmp_path / "build", draft_model=draft, max_draft_len=3, **LIMITS)
+    plain = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "plain", **LIMITS))
+    for server in _serve(engine_dir, tmp_path):
+        for prompt, n in ((PROMPTS[0], MAX_TOKENS), (PROMPTS[2], 21)):
+            expected = direct(plain, prompt, n).text
+            for stream in (False, True):
+                bls = generate(server.grpc_url, prompt, Sampling(max_tokens=n), stream=stream, model=BLS)
+                assert bls.text == expected, (prompt, stream)
+            assert generate(server.grpc_url, prompt, Sampling(max_tokens=n)).text == expected
+        metrics = urllib.request.urlopen(server.metrics_url).read().decode()
+        drafted = [line for line in metrics.splitlines()
+                   if line.startswith("nv_inference_request_success{") and 'model="tensorrt_llm_draft"' in line]
+        assert drafted and float(drafted[0].split()[-1]) > 0, "the BLS loop never asked the draft model"

@@ -109,7 +109,9 @@ class EngineDir:
 
     @property
     def tokenizer_dir(self) -> Path:
-        return self.path / TOKENIZER_DIR
+        own = self.path / TOKENIZER_DIR
+        # A draft/ engine shares its target's tokenizer (the converter refuses any other vocabulary).
+        return own if own.is_dir() or self.path.name != DRAFT_DIR else self.path.parent / TOKENIZER_DIR
 
     @property
     def draft_dir(self) -> Path:

@@ -133,6 +133,26 @@ class Engine:
         with self._lock, torch.inference_mode():
             yield from self._decode(list(prompt_ids), params)
 
+    def verify_external(self, prompt_ids: list[int], draft_ids: list[int]) -> list[int]:
+        """Greedy check of draft tokens proposed outside the engine (TensorRT-LLM's draft_tokens_external):
+        the accepted prefix of `draft_ids` plus the target's own next token.
+
+        Each call is a fresh pass over prompt + drafts in its own KV cache, so it can run beside
+        any other request; the caller (a BLS draft loop) sends the whole sequence every time.
+        """
+        self.validate(prompt_ids, SamplingParams(max_tokens=len(draft_ids) + 1))
+        n = len(prompt_ids)
+        tokens = torch.tensor(prompt_ids + draft_ids, device=self.device)
+        with torch.inference_mode():
+            cache = self.target.new_cache(tokens.shape[0])
+            ctx = make_context(cache, self.target.rotary, 0, torch.arange(tokens.shape[0], device=self.device), None)
+            hidden, _ = self.target(tokens[None], ctx)
+            choice = self.target.logits(hidden[0, n - 1:]).argmax(-1).tolist()  # after the prompt, after each draft
+        accepted = 0
+        while accepted < len(draft_ids) and draft_ids[accepted] == choice[accepted]:
+            accepted += 1
+        return draft_ids[:accepted] + [choice[accepted]]
+
     def request_state(self, params: SamplingParams) -> tuple[torch.Generator, _StopChecker]:
         """A request's own random generator (seeded when asked) and stop conditions."""
         generator = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())

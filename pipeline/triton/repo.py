@@ -67,8 +67,8 @@ def postprocessing_config(engine: EngineDir) -> mc.ModelConfig:
                   {"tokenizer_dir": str(engine.tokenizer_dir), "skip_special_tokens": "true"})
 
 
-def portable_engine_config(engine: EngineDir, device: str) -> mc.ModelConfig:
-    return _model(ENGINE_MODEL, engine.limits.max_batch_size, T.ENGINE_INPUTS, T.ENGINE_OUTPUTS,
+def portable_engine_config(engine: EngineDir, device: str, name: str = ENGINE_MODEL) -> mc.ModelConfig:
+    return _model(name, engine.limits.max_batch_size, T.ENGINE_INPUTS, T.ENGINE_OUTPUTS,
                   {"engine_dir": str(engine.path), "device": device, "exclude_input_in_output": "false"},
                   decoupled=True)
 
@@ -171,19 +171,23 @@ def repository_files(engine: EngineDir, device: str = "cpu") -> dict[str, str]:
         f"{POSTPROCESSING}/1/model.py": _model_source(POSTPROCESSING),
         f"{BLS}/1/model.py": _model_source(BLS),
     }
-    draft_model_name = ""
+    # A draft-model engine also gets its draft as a model: the BLS model drafts with it and verifies
+    # with the target (draft_input_ids), as TensorRT-LLM's BLS does; the ensemble path needs neither.
+    draft_model_name = DRAFT_ENGINE_MODEL if engine.spec.mode == "draft_model" else ""
     if engine.backend == "trtllm":
         files[f"{ENGINE_MODEL}/config.pbtxt"] = _pbtxt(trtllm_engine_config(ENGINE_MODEL, engine.path, engine))
         files[f"{ENGINE_MODEL}/1/.keep"] = ""
-        if engine.spec.mode == "draft_model":
-            # The BLS model drafts with this second engine and verifies with the target (draft_input_ids).
-            draft_model_name = DRAFT_ENGINE_MODEL
+        if draft_model_name:
             files[f"{DRAFT_ENGINE_MODEL}/config.pbtxt"] = _pbtxt(
                 trtllm_engine_config(DRAFT_ENGINE_MODEL, engine.draft_dir, engine))
             files[f"{DRAFT_ENGINE_MODEL}/1/.keep"] = ""
     else:
         files[f"{ENGINE_MODEL}/config.pbtxt"] = _pbtxt(portable_engine_config(engine, device))
         files[f"{ENGINE_MODEL}/1/model.py"] = _model_source(ENGINE_MODEL)
+        if draft_model_name:
+            draft = EngineDir.load(engine.draft_dir)
+            files[f"{DRAFT_ENGINE_MODEL}/config.pbtxt"] = _pbtxt(portable_engine_config(draft, device, DRAFT_ENGINE_MODEL))
+            files[f"{DRAFT_ENGINE_MODEL}/1/model.py"] = _model_source(ENGINE_MODEL)
     files[f"{BLS}/config.pbtxt"] = _pbtxt(bls_config(engine, draft_model_name))
     return dict(sorted(files.items()))
 

@@ -37,7 +37,7 @@ UNSUPPORTED_SCALARS = {
     "return_generation_logits": False, "repetition_penalty": 1.0, "presence_penalty": 0.0,
     "frequency_penalty": 0.0, "min_tokens": 0,
 }
-UNSUPPORTED_LISTS = ("draft_input_ids", "draft_logits", "embedding_bias")
+UNSUPPORTED_LISTS = ("draft_logits", "embedding_bias")
 # (key, metric name, description) of the acceptance counters exported on the metrics port.
 COUNTERS = (
     ("requests", "specpipe_requests_total", "Requests completed by the portable engine"),
@@ -162,6 +162,13 @@ class TritonPythonModel:
         want_counts = (bool(_scalar(request, "return_num_input_tokens", False)),
                        bool(_scalar(request, "return_num_output_tokens", False)))
         self.engine.validate(prompt, params)
+        drafts = _input(request, "draft_input_ids")
+        if drafts is not None and drafts.size:
+            # A BLS draft loop's verification call: one greedy pass, one response.
+            ids = self.engine.verify_external(prompt, drafts.reshape(-1).tolist())[:params.max_tokens]
+            _send(sender, pb_utils.InferenceResponse(output_tensors=self._tokens(ids if exclude_input else prompt + ids)),
+                  flags=FINAL)
+            return
         scheduled_ns = None  # the engine runs one request at a time (its KV cache); others wait in stream()
         first_token_ns = None
         pending = []  # streamed tokens held back until they end on a whole UTF-8 character

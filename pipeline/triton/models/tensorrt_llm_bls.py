@@ -38,6 +38,8 @@ PASSTHROUGH_OUTPUTS = (
     "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns", "acceptance_rate",
     "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens", "num_output_tokens")
 
+DEFAULT_NUM_DRAFT_TOKENS = 4  # draft-model speculation when the request sends no num_draft_tokens
+
 # The Python backend's response path is not safe under concurrent sends from several threads
 # (seen: boost lock_exception and a segfault in libtriton_python with 4 streams): one lock for all.
 _SEND_LOCK = threading.Lock()
@@ -73,6 +75,7 @@ class TritonPythonModel:
         self.engine_model = params["tensorrt_llm_model_name"]
         self.draft_model = params["tensorrt_llm_draft_model_name"]
         self.accumulate = params["accumulate_tokens"].lower() in ("true", "1")
+        self.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
         self.workers = set()
         self.workers_lock = threading.Lock()
 
@@ -105,17 +108,70 @@ class TritonPythonModel:
             with self.workers_lock:
                 self.workers.discard(threading.current_thread())
 
-    def _engine_request(self, request):
+    def _engine_inputs(self, request):
+        """{engine input name: array}: the preprocessed prompt plus the client's sampling inputs."""
         pre_inputs = [pb_utils.Tensor(inner, value) for outer, inner in PREPROCESSING_INPUT_OF.items()
                       if (value := _input(request, outer)) is not None]
         pre = _exec(pb_utils.InferenceRequest(model_name=PREPROCESSING, inputs=pre_inputs,
                                               requested_output_names=list(ENGINE_INPUT_FROM_PREPROCESSING)))
-        inputs = [pb_utils.Tensor(inner, pb_utils.get_output_tensor_by_name(pre, outer).as_numpy())
-                  for outer, inner in ENGINE_INPUT_FROM_PREPROCESSING.items()]
-        inputs += [pb_utils.Tensor(inner, value) for outer, inner in ENGINE_INPUT_OF.items()
-                   if (value := _input(request, outer)) is not None]
+        inputs = {inner: pb_utils.get_output_tensor_by_name(pre, outer).as_numpy()
+                  for outer, inner in ENGINE_INPUT_FROM_PREPROCESSING.items()}
+        inputs.update({inner: value for outer, inner in ENGINE_INPUT_OF.items()
+                       if (value := _input(request, outer)) is not None})
+        return inputs
+
+    def _engine_request(self, request):
+        inputs = [pb_utils.Tensor(name, value) for name, value in self._engine_inputs(request).items()]
         return pb_utils.InferenceRequest(model_name=self.engine_model, inputs=inputs,
                                          requested_output_names=["output_ids", "sequence_length", *PASSTHROUGH_OUTPUTS])
+
+    def _call(self, model, inputs, ids, max_tokens, drafts=()):
+        """New token ids from one non-streaming engine call on the sequence `ids`."""
+        call = dict(inputs, input_ids=np.array([ids], dtype=np.int32), input_lengths=np.array([[len(ids)]], dtype=np.int32),
+                    request_output_len=np.array([[max_tokens]], dtype=np.int32),
+                    exclude_input_in_output=np.array([[True]]), streaming=np.array([[False]]))
+        if drafts:
+            call["draft_input_ids"] = np.array([drafts], dtype=np.int32)
+        request = pb_utils.InferenceRequest(model_name=model, requested_output_names=["output_ids", "sequence_length"],
+                                            inputs=[pb_utils.Tensor(k, v) for k, v in call.items()])
+        new = []
+        for response in request.exec(decoupled=True):
+            if response.has_error():
+                raise BlsError(response.error().message())
+            if (ids_tensor := pb_utils.get_output_tensor_by_name(response, "output_ids")) is not None:
+                new.extend(ids_tensor.as_numpy().reshape(-1).tolist())
+        return new
+
+    def _speculate(self, request, sender, streaming):
+        """Draft-target speculation as TensorRT-LLM's BLS runs it: the draft model proposes up to
+        num_draft_tokens, the target verifies them (draft_input_ids) and returns the accepted ones
+        plus its own next token; repeat until max_tokens or the end id."""
+        inputs = self._engine_inputs(request)
+        prompt = inputs.pop("input_ids").reshape(-1)[: int(inputs.pop("input_lengths").reshape(-1)[0])].tolist()
+        max_tokens = int(inputs.pop("request_output_len").reshape(-1)[0])
+        end_id = int(inputs["end_id"].reshape(-1)[0]) if "end_id" in inputs else None
+        num_draft = _input(request, "num_draft_tokens")
+        k = int(num_draft.reshape(-1)[0]) if num_draft is not None else self.num_draft_tokens
+        out = []
+        while len(out) < max_tokens and not (out and out[-1] == end_id):
+            remaining = max_tokens - len(out)
+            drafts = self._call(self.draft_model, inputs, prompt + out, min(k, remaining - 1)) if remaining > 1 and k > 0 else []
+            if end_id in drafts:
+                drafts = drafts[: drafts.index(end_id) + 1]
+            new = self._call(self.engine_model, inputs, prompt + out, len(drafts) + 1, drafts)[:remaining]
+            if end_id in new:
+                new = new[: new.index(end_id) + 1]
+            out += new
+            if streaming and new:
+                _send(sender, pb_utils.InferenceResponse(output_tensors=[self._text(new)]))
+        if streaming:
+            _send(sender, flags=FINAL)
+        else:
+            _send(sender, pb_utils.InferenceResponse(output_tensors=[self._text(out)]), flags=FINAL)
+
+    def _text(self, ids):
+        tokens = np.array(ids, dtype=np.int32).reshape(1, 1, -1)
+        return pb_utils.Tensor("text_output", self._detokenize(tokens, np.array([[len(ids)]], dtype=np.int32)))
 
     def _detokenize(self, tokens, lengths):
         post = _exec(pb_utils.InferenceRequest(
@@ -124,11 +180,10 @@ class TritonPythonModel:
         return pb_utils.get_output_tensor_by_name(post, "OUTPUT").as_numpy()
 
     def _generate(self, request, sender):
-        if self.draft_model:
-            raise BlsError(f"tensorrt_llm_bls: draft-model speculation through {self.draft_model!r} is not "
-                           "implemented in this BLS model; send the request to the ensemble")
         stream_flag = _input(request, "stream")
         streaming = stream_flag is not None and bool(stream_flag.reshape(-1)[0])
+        if self.draft_model:
+            return self._speculate(request, sender, streaming)
         accumulated = None
         for response in self._engine_request(request).exec(decoupled=True):
             if response.has_error():
