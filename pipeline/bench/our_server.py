@@ -3,21 +3,17 @@ then `specpipe serve --openai-port`, as a subprocess so its cores are free once 
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import requests
-
+from pipeline.bench import process
 from pipeline.errors import UserError
 from pipeline.triton.server import Ports, free_ports
 
 HOST = "127.0.0.1"
-POLL_S = 1.0
 STOP_GRACE_S = 60.0
 
 
@@ -41,16 +37,14 @@ class OurServer:
         return [sys.executable, "-m", "pipeline", *args]
 
     def __enter__(self) -> "OurServer":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(self._specpipe("triton-repo", "--engine", str(self.engine_dir), "--output", str(self.repo_dir)),
                        check=True, stdout=subprocess.DEVNULL)
         cmd = self._specpipe("serve", "--repo", str(self.repo_dir), "--openai-port", str(self.openai_port),
                              "--http-port", str(self.ports.http), "--grpc-port", str(self.ports.grpc),
                              "--metrics-port", str(self.ports.metrics))
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = process.launch(cmd, self.log_path)
         try:
-            self._wait_ready()
+            process.wait_ready(self.proc, self.base_url, self.startup_timeout_s, self._exited, self._timed_out)
         except BaseException:
             self.stop()
             raise
@@ -59,26 +53,12 @@ class OurServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-                raise UserError(f"specpipe serve exited with code {self.proc.returncode}: {tail[0]} (log {self.log_path})")
-            try:
-                if requests.get(f"{self.base_url}/v1/models", timeout=POLL_S).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(POLL_S)
-        raise UserError(f"our server not ready after {self.startup_timeout_s:.0f} s; see {self.log_path}")
+    def _exited(self) -> Exception:
+        tail = self.log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        return UserError(f"specpipe serve exited with code {self.proc.returncode}: {tail[0]} (log {self.log_path})")
+
+    def _timed_out(self) -> Exception:
+        return UserError(f"our server not ready after {self.startup_timeout_s:.0f} s; see {self.log_path}")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)  # `specpipe serve` stops tritonserver on SIGTERM
-        try:
-            self.proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        process.stop(self.proc, signal.SIGTERM, STOP_GRACE_S)  # `specpipe serve` stops tritonserver on SIGTERM

@@ -6,13 +6,13 @@ import json
 import os
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import requests
 
+from pipeline.bench import process
 from pipeline.errors import UserError
 
 VLLM_VENV = Path(".venv-vllm")
@@ -22,7 +22,6 @@ INSTALL_SCRIPT = Path("build/install_vllm.sh")
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HOST = "127.0.0.1"
 IOMP_LIB = "libiomp5.so"
-POLL_S = 1.0
 STOP_GRACE_S = 30.0
 ERROR_MARKERS = ("Error", "error:", "refused", "not supported", "NotImplemented")
 
@@ -116,12 +115,9 @@ class VllmServer:
         iomp = self.python.parent.parent / "lib" / IOMP_LIB
         if self.options.preload_iomp and iomp.is_file():
             env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp.resolve()), env.get("LD_PRELOAD")]))
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)  # own group: stop reaches the engine core too
+        self.proc = process.launch(self.command(), self.log_path, env)
         try:
-            self._wait_ready()
+            process.wait_ready(self.proc, self.base_url, self.options.startup_timeout_s, self._exited, self._timed_out)
         except BaseException:
             self.stop()
             raise
@@ -130,29 +126,15 @@ class VllmServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.options.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise VllmStartError(self.mode.name, last_error_line(self.log_path), self.log_path)
-            try:
-                if requests.get(f"{self.base_url}/v1/models", timeout=POLL_S).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(POLL_S)
-        raise UserError(f"vLLM ({self.mode.name}) not ready after {self.options.startup_timeout_s:.0f} s; see "
-                        f"{self.log_path}, or pass --vllm-eager / a longer --vllm-timeout")
+    def _exited(self) -> Exception:
+        return VllmStartError(self.mode.name, last_error_line(self.log_path), self.log_path)
+
+    def _timed_out(self) -> Exception:
+        return UserError(f"vLLM ({self.mode.name}) not ready after {self.options.startup_timeout_s:.0f} s; see "
+                         f"{self.log_path}, or pass --vllm-eager / a longer --vllm-timeout")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        process.stop(self.proc, signal.SIGINT, STOP_GRACE_S)
 
     def spec_counters(self) -> dict[str, float]:
         """Cumulative speculative-decoding counters from /metrics (empty without speculation)."""
