@@ -1,9 +1,10 @@
-"""The portable engine: load an engine directory, then prefill + speculative decode, one request at a time.
+"""The portable engine: load an engine directory, then prefill + speculative decode.
 
 generate -> validate -> prefill (target over the prompt, first token) -> loop:
   propose (tree) -> verify (one target pass over the tree) -> accept (path + bonus token)
   -> compact the accepted path's KV -> one host copy of the new tokens -> stop checks -> stream.
-Plain decoding is the same loop with a one-node tree.
+Plain decoding is the same loop with a one-node tree; plain engines also batch concurrent requests
+(batcher.py), while a speculative engine serves one request at a time.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import torch
 
 from pipeline.engine.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
 from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
-from pipeline.engine.graphs import GraphedTarget
 from pipeline.engine.batcher import Batcher
+from pipeline.engine.graphs import GraphedTarget
 from pipeline.engine.model import KVCache, Transformer, make_context
 from pipeline.engine.sampling import RequestError, SamplingParams, choose
 from pipeline.engine.speculative import PlainProposer, Proposer, StepInput, TargetPass
