@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from pipeline.engine.model import decode_context
+from pipeline.engine.request import StopChecker, StreamChunk
 from pipeline.engine.sampling import SamplingParams, choose
 from pipeline.engine.stats import SpecStats
 
 if TYPE_CHECKING:
-    from pipeline.engine.runner import Engine, StreamChunk, _StopChecker
+    from pipeline.engine.runner import Engine
 
 
 @dataclass
@@ -31,7 +32,7 @@ class _Request:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator
-    stop: "_StopChecker"
+    stop: StopChecker
     chunks: queue.Queue  # StreamChunk, or the exception that ended the batch loop
     out: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
@@ -49,7 +50,7 @@ class Batcher:
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None  # runs while any request is pending or active
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator["StreamChunk"]:
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
         generator, stop = self.engine.request_state(params)
         request = _Request(list(prompt_ids), params, generator, stop, queue.Queue())
         with self.lock:
@@ -106,7 +107,8 @@ class Batcher:
         if n == 1:
             hidden = engine.forward(tokens, self.active[0].length, lengths, None).hidden
         else:
-            ctx = decode_context(engine.batch_cache.rows(0, n), engine.target.rotary, lengths, int(lengths.max()) + 1)
+            longest = max(r.length for r in self.active)  # from the host copy: no device sync
+            ctx = decode_context(engine.batch_cache.rows(0, n), engine.target.rotary, lengths, longest + 1)
             hidden = engine.target(tokens[:, None], ctx)[0][:, 0]
         logits = engine.target.logits(hidden)
         chosen = logits.argmax(-1)
@@ -118,8 +120,6 @@ class Batcher:
         self._emit(list(self.active), chosen.tolist(), counts_step=True)  # the step's one sync
 
     def _emit(self, requests: list[_Request], tokens: list[int], counts_step: bool) -> None:
-        from pipeline.engine.runner import StreamChunk
-
         finished = []
         for r, token in zip(requests, tokens):
             if counts_step:

@@ -10,7 +10,6 @@ Plain decoding is the same loop with a one-node tree; plain engines also batch c
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -21,61 +20,13 @@ from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
 from pipeline.engine.batcher import Batcher
 from pipeline.engine.graphs import GraphedTarget
 from pipeline.engine.model import KVCache, Transformer, make_context
+from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
 from pipeline.engine.sampling import RequestError, SamplingParams, choose
 from pipeline.engine.speculative import PlainProposer, Proposer, StepInput, TargetPass
 from pipeline.engine.stats import SpecStats
 from pipeline.engine.tree import DraftTree
 
 __all__ = ["Engine", "GenerationResult", "RequestError", "SamplingParams", "StreamChunk", "SpecStats"]
-
-# Extra characters decoded around a stop word, so that a word split across tokens is still seen.
-STOP_WORD_TOKEN_MARGIN = 4
-
-
-@dataclass
-class GenerationResult:
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # generated only; includes the end id when generation stopped on it
-    text: str
-    finish_reason: str  # "length" | "end_id" | "stop"
-    stats: SpecStats = field(default_factory=SpecStats)
-
-
-@dataclass
-class StreamChunk:
-    token_ids: list[int]  # new since the previous chunk
-    finished: bool
-    result: GenerationResult | None = None
-
-
-class _StopChecker:
-    """Applies end id, max_tokens and stop words to each new token, in order."""
-
-    def __init__(self, params: SamplingParams, end_id: int | None, tokenizer):
-        self.params, self.end_id, self.tokenizer = params, end_id, tokenizer
-        self.window = max((len(w) for w in params.stop_words), default=0) + STOP_WORD_TOKEN_MARGIN
-        self.reason: str | None = None
-
-    def take(self, out: list[int], new: list[int]) -> list[int]:
-        """Append new tokens to `out` until a stop condition; return those appended."""
-        taken = []
-        for tok in new:
-            out.append(tok)
-            taken.append(tok)
-            if self.end_id is not None and tok == self.end_id:
-                self.reason = "end_id"
-            elif len(out) >= self.params.max_tokens:
-                self.reason = "length"
-            elif self.params.stop_words and self._hit_stop_word(out):
-                self.reason = "stop"
-            if self.reason:
-                break
-        return taken
-
-    def _hit_stop_word(self, out: list[int]) -> bool:
-        tail = self.tokenizer.decode(out[-self.window:], skip_special_tokens=True)
-        return any(tail.endswith(w) for w in self.params.stop_words)
-
 
 class Engine:
     def __init__(self, target: Transformer, tokenizer, limits: EngineLimits, spec: SpecConfig,
@@ -154,11 +105,11 @@ class Engine:
             accepted += 1
         return draft_ids[:accepted] + [choice[accepted]]
 
-    def request_state(self, params: SamplingParams) -> tuple[torch.Generator, _StopChecker]:
+    def request_state(self, params: SamplingParams) -> tuple[torch.Generator, StopChecker]:
         """A request's own random generator (seeded when asked) and stop conditions."""
         generator = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
         end_id = self.tokenizer.eos_token_id if params.end_id is None else (None if params.end_id < 0 else params.end_id)
-        return generator, _StopChecker(params, end_id, self.tokenizer)
+        return generator, StopChecker(params, end_id, self.tokenizer)
 
     def result(self, prompt_ids: list[int], out: list[int], reason: str, stats: SpecStats) -> GenerationResult:
         return GenerationResult(prompt_ids, out, self.tokenizer.decode(out, skip_special_tokens=True), reason, stats)
