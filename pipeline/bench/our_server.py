@@ -15,6 +15,7 @@ from pipeline.triton.server import Ports, free_ports
 
 HOST = "127.0.0.1"
 STOP_GRACE_S = 60.0
+STOP_SIGNAL = signal.SIGTERM  # `specpipe serve` stops tritonserver on SIGTERM
 
 
 @dataclass
@@ -42,23 +43,19 @@ class OurServer:
         cmd = self._specpipe("serve", "--repo", str(self.repo_dir), "--openai-port", str(self.openai_port),
                              "--http-port", str(self.ports.http), "--grpc-port", str(self.ports.grpc),
                              "--metrics-port", str(self.ports.metrics))
-        self.proc = process.launch(cmd, self.log_path)
-        try:
-            process.wait_ready(self.proc, self.base_url, self.startup_timeout_s, self._exited, self._timed_out)
-        except BaseException:
-            self.stop()
-            raise
+        self.proc = process.start(cmd, self.log_path, self.base_url, self.startup_timeout_s, self._exited,
+                                  self._timed_out, STOP_SIGNAL, STOP_GRACE_S)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _exited(self) -> Exception:
+    def _exited(self, proc: subprocess.Popen) -> Exception:
         tail = self.log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        return UserError(f"specpipe serve exited with code {self.proc.returncode}: {tail[0]} (log {self.log_path})")
+        return UserError(f"specpipe serve exited with code {proc.returncode}: {tail[0]} (log {self.log_path})")
 
     def _timed_out(self) -> Exception:
         return UserError(f"our server not ready after {self.startup_timeout_s:.0f} s; see {self.log_path}")
 
     def stop(self) -> None:
-        process.stop(self.proc, signal.SIGTERM, STOP_GRACE_S)  # `specpipe serve` stops tritonserver on SIGTERM
+        process.stop(self.proc, STOP_SIGNAL, STOP_GRACE_S)

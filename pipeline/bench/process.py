@@ -47,3 +47,16 @@ def stop(proc: subprocess.Popen | None, sig: signal.Signals, grace_s: float) -> 
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def start(cmd: list[str], log_path: Path, base_url: str, timeout_s: float,
+          exited: Callable[[subprocess.Popen], Exception], timed_out: Callable[[], Exception],
+          stop_signal: signal.Signals, grace_s: float, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """launch + wait_ready; a server that fails to come up is stopped before the error propagates."""
+    proc = launch(cmd, log_path, env)
+    try:
+        wait_ready(proc, base_url, timeout_s, lambda: exited(proc), timed_out)
+    except BaseException:
+        stop(proc, stop_signal, grace_s)
+        raise
+    return proc

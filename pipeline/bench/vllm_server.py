@@ -23,6 +23,7 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HOST = "127.0.0.1"
 IOMP_LIB = "libiomp5.so"
 STOP_GRACE_S = 30.0
+STOP_SIGNAL = signal.SIGINT
 ERROR_MARKERS = ("Error", "error:", "refused", "not supported", "NotImplemented")
 
 # A ready-made ngram config (prompt lookup), the speculative mode this CPU build runs.
@@ -115,18 +116,14 @@ class VllmServer:
         iomp = self.python.parent.parent / "lib" / IOMP_LIB
         if self.options.preload_iomp and iomp.is_file():
             env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp.resolve()), env.get("LD_PRELOAD")]))
-        self.proc = process.launch(self.command(), self.log_path, env)
-        try:
-            process.wait_ready(self.proc, self.base_url, self.options.startup_timeout_s, self._exited, self._timed_out)
-        except BaseException:
-            self.stop()
-            raise
+        self.proc = process.start(self.command(), self.log_path, self.base_url, self.options.startup_timeout_s,
+                                  self._exited, self._timed_out, STOP_SIGNAL, STOP_GRACE_S, env)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _exited(self) -> Exception:
+    def _exited(self, proc: subprocess.Popen) -> Exception:
         return VllmStartError(self.mode.name, last_error_line(self.log_path), self.log_path)
 
     def _timed_out(self) -> Exception:
@@ -134,7 +131,7 @@ class VllmServer:
                          f"{self.log_path}, or pass --vllm-eager / a longer --vllm-timeout")
 
     def stop(self) -> None:
-        process.stop(self.proc, signal.SIGINT, STOP_GRACE_S)
+        process.stop(self.proc, STOP_SIGNAL, STOP_GRACE_S)
 
     def spec_counters(self) -> dict[str, float]:
         """Cumulative speculative-decoding counters from /metrics (empty without speculation)."""

@@ -128,6 +128,18 @@ def teacher_mask(data: DistillSet, shift: int, include_prompt: bool = False) -> 
     return ok
 
 
+def unrolled_masks(data: DistillSet, steps: int) -> list[torch.Tensor]:
+    """Per unrolled step s, [N, T-1] positions trained: step s at p belongs to the chain rooted at
+    p - s, so the first s positions have no chain."""
+    base = teacher_mask(data, 1)[:, : data.tokens.shape[1] - 1]
+    masks = []
+    for s in range(steps):
+        mask = base.clone()
+        mask[:, :s] = False
+        masks.append(mask)
+    return masks
+
+
 def random_batches(data: DistillSet, batch_size: int, seed: int):
     """Endless shuffled mini-batches (epoch after epoch), each trimmed to its longest sequence."""
     gen = torch.Generator().manual_seed(seed)

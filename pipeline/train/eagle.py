@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from pipeline.train.distill import DistillSet, teacher_mask
+from pipeline.train.distill import DistillSet, unrolled_masks
 from pipeline.train.eval import depth_valid
 from pipeline.train.llama_layer import MLP, Attention, LayerShape, RMSNorm, rope_tables, shift_right
 from pipeline.train.losses import feature_regression, soft_cross_entropy, step_weights
@@ -66,15 +66,11 @@ class EagleDraft(nn.Module):
 
 
 def eagle_loss(draft: EagleDraft, frozen: FrozenHead, batch: DistillSet, steps: int) -> torch.Tensor:
-    width = batch.tokens.shape[1]
     outs = draft.unroll(frozen, batch.tokens, batch.features, steps)
-    base = teacher_mask(batch, 1)[:, : width - 1]
     target = batch.features[:, 1:]
     weights = step_weights(steps, STEP_DECAY)
     total = torch.zeros((), device=batch.tokens.device)
-    for s, h in enumerate(outs):
-        mask = base.clone()
-        mask[:, :s] = False  # no chain is rooted before position 0
+    for s, (h, mask) in enumerate(zip(outs, unrolled_masks(batch, steps))):
         pred, want = h[:, :-1][mask], target[mask]
         loss = feature_regression(pred, want) + TOKEN_LOSS_WEIGHT * soft_cross_entropy(frozen.logits(pred),
                                                                                      frozen.logits(want))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from pipeline.train.distill import DistillSet, teacher_mask
+from pipeline.train.distill import DistillSet, unrolled_masks
 from pipeline.train.eagle import STEP_DECAY, eagle_config, unrolled_depth_hits
 from pipeline.train.llama_layer import MLP, Attention, LayerShape, RMSNorm, rope_tables, shift_right
 from pipeline.train.losses import soft_cross_entropy, step_weights
@@ -82,15 +82,11 @@ class Eagle3Draft(nn.Module):
 
 
 def eagle3_loss(draft: Eagle3Draft, frozen: FrozenHead, batch: DistillSet, steps: int) -> torch.Tensor:
-    width = batch.tokens.shape[1]
     outs = draft.unroll(frozen, batch.tokens, batch.aux, steps)
-    base = teacher_mask(batch, 1)[:, : width - 1]
     teacher = batch.features[:, 1:]
     weights = step_weights(steps, STEP_DECAY)
     total = torch.zeros((), device=batch.tokens.device)
-    for s, h in enumerate(outs):
-        mask = base.clone()
-        mask[:, :s] = False
+    for s, (h, mask) in enumerate(zip(outs, unrolled_masks(batch, steps))):
         student = frozen.logits(draft.norm(h[:, :-1][mask]))
         total = total + weights[s] * soft_cross_entropy(student, frozen.logits(teacher[mask]))
     return total / sum(weights)
