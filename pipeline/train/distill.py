@@ -68,6 +68,12 @@ class DistillSet:
             tokens[row, : len(s)] = torch.tensor(s)
         return cls(tokens, torch.tensor([len(s) for s in seqs]), torch.tensor(prompt_lens))
 
+    @classmethod
+    def concat(cls, parts: list["DistillSet"], pad_id: int) -> "DistillSet":
+        """The rows of every part, in order, re-padded to the widest (tokens only: features come after)."""
+        seqs = [t[: int(n)].tolist() for d in parts for t, n in zip(d.tokens, d.lengths)]
+        return cls.from_sequences(seqs, torch.cat([d.prompt_lens for d in parts]).tolist(), pad_id)
+
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
@@ -105,16 +111,25 @@ class DistillSet:
 @torch.no_grad()
 def attach_features(data: DistillSet, model: nn.Module, aux_layers: tuple[int, ...], batch_size: int,
                     feature_dtype: torch.dtype, aux_dtype: torch.dtype) -> DistillSet:
-    """Fills `features` (and `aux` when aux_layers is non-empty) by running the frozen target once."""
+    """Fills `features` (and `aux` when aux_layers is non-empty) by running the frozen target once.
+
+    The outputs are allocated once (a list of batches concatenated at the end would need twice the
+    memory) and zero past each row's end; rows go through the target shortest first, each batch cut
+    to its longest row, so padding costs no target compute."""
     device = next(model.parameters()).device
-    feats, auxes = [], []
-    for lo in tqdm(range(0, len(data.lengths), batch_size), desc="target features", unit="batch"):
-        final, aux = extract_features(model, data.tokens[lo:lo + batch_size].to(device), aux_layers)
-        feats.append(final.to(feature_dtype))
+    rows, width = data.tokens.shape
+    hidden = model.config.hidden_size
+    data.features = torch.zeros(rows, width, hidden, dtype=feature_dtype, device=device)
+    data.aux = torch.zeros(rows, width, len(aux_layers) * hidden, dtype=aux_dtype, device=device) if aux_layers else None
+    order = torch.argsort(data.lengths)
+    for lo in tqdm(range(0, rows, batch_size), desc="target features", unit="batch"):
+        pick = order[lo:lo + batch_size]
+        cut = int(data.lengths[pick].max())
+        final, aux = extract_features(model, data.tokens[pick, :cut].to(device), aux_layers)
+        pick = pick.to(device)
+        data.features[pick, :cut] = final.to(feature_dtype)
         if aux is not None:
-            auxes.append(aux.to(aux_dtype))
-    data.features = torch.cat(feats)
-    data.aux = torch.cat(auxes) if auxes else None
+            data.aux[pick, :cut] = aux.to(aux_dtype)
     return data
 
 

@@ -66,7 +66,8 @@ class MethodResult:
 def distill(target: nn.Module, prompts: PromptSet, s: RunSettings, out: Path,
             tokens_file: Path | None) -> tuple[DistillSet, DistillSet, dict]:
     """(train, held-out) sequences with features, on the target's device; reuses `tokens_file`
-    (written by an earlier run) instead of generating when given."""
+    (written by an earlier run) instead of generating when given. The teacher-forced rows join the
+    train set only: the held-out set stays the target's own text, what the drafts meet when serving."""
     t0 = time.monotonic()
     if tokens_file is not None:
         both = DistillSet.load_tokens(tokens_file, prompts.pad_token_id)
@@ -78,14 +79,24 @@ def distill(target: nn.Module, prompts: PromptSet, s: RunSettings, out: Path,
         both = DistillSet.from_sequences(held_seqs + train_seqs, held_lens + train_lens, prompts.pad_token_id)
         both.save_tokens(out / TOKENS_FILE)
     rows = torch.arange(len(both.lengths))
-    held_set, train_set = both.subset(rows[: len(prompts.held_out)]), both.subset(rows[len(prompts.held_out):])
+    held = len(prompts.held_out)  # a tokens file holds at most the prompts' rows: fewer under --tiny
+    held_set, self_train = both.subset(rows[:held]), both.subset(rows[held:held + len(prompts.train)])
+    forced = DistillSet.from_sequences(prompts.teacher_forced, prompts.teacher_forced_prompt_lens,
+                                       prompts.pad_token_id) if prompts.teacher_forced else None
+    train_set = DistillSet.concat([self_train, forced], prompts.pad_token_id) if forced else self_train
     gen_s = time.monotonic() - t0
     aux = eagle3_layers(target.config.num_hidden_layers) if "eagle3" in s.methods else ()
     device = next(target.parameters()).device
     for d in (held_set, train_set):
         attach_features(d, target, aux, s.feature_batch, torch.float32, AUX_DTYPE)
     stats = {"train_sequences": len(train_set.lengths), "held_out_sequences": len(held_set.lengths),
-             "train_tokens": train_set.num_tokens, "train_generated_tokens": train_set.num_generated,
+             "train_tokens": train_set.num_tokens, "train_generated_tokens": self_train.num_generated,
+             "train_self_distilled_sequences": len(self_train.lengths),
+             "train_self_distilled_tokens": self_train.num_tokens,
+             "train_teacher_forced_sequences": len(forced.lengths) if forced else 0,
+             "train_teacher_forced_tokens": forced.num_tokens if forced else 0,
+             "train_teacher_forced_reply_tokens": forced.num_generated if forced else 0,
+             "train_width": int(train_set.tokens.shape[1]),
              "held_out_tokens": held_set.num_tokens, "generate_seconds": round(gen_s, 1),
              "features_seconds": round(time.monotonic() - t0 - gen_s, 1)}
     return train_set.to(str(device)), held_set.to(str(device)), stats
