@@ -158,6 +158,8 @@ def format_table(results: dict[str, Any]) -> str:
     for mode, r in results["triton"].items():
         lines.append(f"{'triton ' + mode:<20}{r['tokens']:>8}{r['tokens_per_s']:>10.1f}{r['ratio_vs_in_process']:>11.3f}"
                      f"{r['median_overhead_ms']:>13.1f}{str(r['ids_identical']):>10}")
+    ok = all(r["within_bar"] and r["ids_identical"] for r in results["triton"].values())
+    lines.append(f"through Triton at most {MAX_SLOWDOWN:.0%} below in-process, same ids: {'yes' if ok else 'NO'}")
     return "\n".join(lines)
 
 
