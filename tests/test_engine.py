@@ -107,8 +107,7 @@ def test_generate_cli_json(tiny_llama_dir, tmp_path):
 def test_full_slot_context_matches_the_eager_step(tiny_llama_engine):
     """The CUDA-graph path reads every cache slot with a device-side length; on the CPU its logic must give
     the same hidden states as the eager step, for a single token and for a tree."""
-    from pipeline.engine.graphs import full_slot_context
-    from pipeline.engine.model import make_context
+    from pipeline.engine.model import full_slot_context, make_context
     from pipeline.engine.tree import build_tree, parse_choices
 
     target = tiny_llama_engine.target
@@ -125,8 +124,8 @@ def test_full_slot_context_matches_the_eager_step(tiny_llama_engine):
                 target(prompt[None], make_context(cache, target.rotary, 0, torch.arange(n), None))
                 positions = n + depths
                 if full:
-                    ctx = full_slot_context(cache, target.rotary, torch.tensor(n), positions, tree_mask,
-                                            torch.arange(cache.num_slots), torch.arange(64))
+                    ctx = full_slot_context(cache, target.rotary, torch.tensor(n), positions,
+                                            n + torch.arange(len(depths)), tree_mask, torch.arange(cache.num_slots))
                 else:
                     ctx = make_context(cache, target.rotary, n, positions, tree_mask if len(depths) > 1 else None)
                 outs.append(target(new_tokens[None], ctx)[0])
@@ -176,3 +175,48 @@ def test_sequences_past_max_position_embeddings(tmp_path):
     ids = engine.tokenizer(PROMPTS[0]).input_ids
     got = engine.generate(ids, SamplingParams(max_tokens=60, end_id=-1))
     assert got.token_ids == hf_greedy(load_hf_model(str(folder)), ids, 60)
+
+
+@pytest.mark.slow
+def test_compiled_steps_trace_whole_and_match_eager():
+    """On CUDA the target step and the EAGLE drafter step run through torch.compile(fullgraph=True)
+    inside CUDA graphs; a graph break would silently fall back to eager there. The same functions
+    compile on the CPU, so check here that they trace whole and compute what the eager code does."""
+    from dataclasses import replace
+
+    from pipeline.engine.config import DynamicTreeConfig
+    from pipeline.engine.eagle import EagleNet, EagleProposer
+    from pipeline.engine.graphs import Compiled
+    from pipeline.engine.model import ModelConfig, Transformer, full_slot_context, make_context
+    from pipeline.engine.speculative import TargetPass
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_size=8,
+                      intermediate_size=64, norm_epsilon=1e-5, rope_theta=10000.0, rope_scaling=None,
+                      max_position_embeddings=512)
+    target = Transformer(cfg).eval()
+    n = 12
+    prompt = torch.randint(cfg.vocab_size, (n,))
+    with torch.inference_mode():
+        cache = target.new_cache(128)
+        hidden, _ = target(prompt[None], make_context(cache, target.rotary, 0, torch.arange(n), None))
+        slot_ids, length = torch.arange(cache.num_slots), torch.tensor(n)
+
+        def step(tokens, positions, tree_mask):
+            ctx = full_slot_context(cache, target.rotary, length, positions, length + torch.arange(tokens.shape[0]),
+                                    tree_mask, slot_ids)
+            return target(tokens[None], ctx)[0]
+
+        compiled = Compiled(step, enabled=True)
+        token, position, mask = torch.tensor([7]), torch.tensor([n]), torch.ones(1, 1, dtype=torch.bool)
+        torch.testing.assert_close(compiled(token, position, mask), step(token, position, mask), rtol=1e-5, atol=1e-5)
+        assert compiled.compiled is not None
+
+        net = EagleNet(replace(cfg, num_layers=1)).eval()
+        proposer = EagleProposer(net, 128, None, DynamicTreeConfig(top_k=4, depth=3, max_non_leaves_per_layer=4), 10)
+        proposer.start(prompt, TargetPass(hidden[0], []), torch.tensor([5]))
+        proposer.root.fill_(5)
+        eager = [t.clone() for t in proposer._step()]
+        compiled_step = Compiled(proposer._step, enabled=True)
+        assert all(torch.equal(a, b) for a, b in zip(eager, compiled_step()))
+        assert compiled_step.compiled is not None

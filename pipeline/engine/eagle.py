@@ -19,8 +19,9 @@ from torch import nn
 
 from pipeline.engine.acceptance import Acceptance
 from pipeline.engine.config import DynamicTreeConfig
+from pipeline.engine.graphs import CapturedStep, Compiled
 from pipeline.engine.model import (Attention, DecoderLayer, ForwardContext, KVCache, MLP, ModelConfig, RMSNorm,
-                                   Rotary, make_context)
+                                   Rotary, full_slot_context, make_context)
 from pipeline.engine.speculative import StepInput, TargetPass
 from pipeline.engine.tree import DraftTree, TreeBuffers, ancestor_mask
 
@@ -87,7 +88,12 @@ class Eagle3Net(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, draft_vocab, bias=False)
         # target id = draft id + d2t[draft id]; zeros when the draft keeps the target vocabulary.
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        self.identity_vocab = draft_vocab == cfg.vocab_size  # host flag: no data-dependent branch in a graph
         self.rotary = Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    def set_d2t(self, d2t: torch.Tensor) -> None:
+        self.d2t.copy_(d2t.long())
+        self.identity_vocab = self.lm_head.out_features == self.cfg.vocab_size and not bool(d2t.any())
 
     def target_features(self, target: TargetPass) -> torch.Tensor:
         return torch.cat(target.captured, dim=-1)
@@ -100,7 +106,7 @@ class Eagle3Net(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the TARGET vocabulary: draft-vocab scores scattered to their target ids."""
         draft = self.lm_head(self.norm(hidden)).float()
-        if draft.shape[-1] == self.cfg.vocab_size and not self.d2t.any():
+        if self.identity_vocab:
             return draft
         full = torch.full((*draft.shape[:-1], self.cfg.vocab_size), float("-inf"), device=draft.device)
         ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t
@@ -112,16 +118,13 @@ def new_draft_cache(net: nn.Module, slots: int) -> KVCache:
     return KVCache.allocate(net.num_cache_layers, 1, slots, cfg.num_kv_heads, cfg.head_size, p.dtype, p.device)
 
 
-def tree_context(cache: KVCache, rotary: Rotary, prefix_len: int, positions: torch.Tensor, slots: torch.Tensor,
-                 tree_rows: torch.Tensor) -> ForwardContext:
-    """Draft tokens at arbitrary slots past the prefix; tree_rows [n, S] says which of the S tree slots each sees."""
-    n, tree_slots = tree_rows.shape
-    visible = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool, device=tree_rows.device), tree_rows], dim=1)
-    return ForwardContext(positions.view(1, n), slots.view(1, n), cache, prefix_len + tree_slots,
-                          visible[None, None], False, rotary)
-
-
 class EagleProposer:
+    """Drafts from static buffers, so that on CUDA one captured (and compiled) graph runs the whole
+    step: catch-up on the pairs the last verification accepted, then the tree.
+
+    The catch-up always runs max_depth + 1 pairs; those past the accepted count write slots that no
+    later query sees before the tree or the next catch-up overwrites them."""
+
     def __init__(self, net: EagleNet | Eagle3Net, cache_slots: int, tree: TreeBuffers | None,
                  dynamic: DynamicTreeConfig | None, max_draft_len: int):
         self.net = net
@@ -129,77 +132,125 @@ class EagleProposer:
         self.tree, self.dynamic = tree, dynamic
         self.max_nodes = tree.num_nodes if tree is not None else max_draft_len + 1
         self.max_draft_len = max_draft_len
-        self.cache = new_draft_cache(net, cache_slots + self.max_nodes * (dynamic.depth if dynamic else 1))
+        device = net.lm_head.weight.device
         if tree is not None:
+            self.depth = tree.max_depth
             self.top_k = int(tree.ranks.max()) + 1
             self.levels = [torch.nonzero(tree.depths == d).flatten() for d in range(tree.max_depth + 1)]
-        self.root_hidden: torch.Tensor | None = None  # [1, H] draft output that guesses the root's children
+            tree_slots = tree.num_nodes - 1  # node i >= 1 drafts at slot length + i - 1
+        else:
+            self.depth = dynamic.depth
+            self.width = min(dynamic.top_k, dynamic.max_non_leaves_per_layer)
+            self.width_offsets = torch.arange(self.width, device=device)
+            tree_slots = (dynamic.depth - 1) * self.width  # one row of `width` frontier slots per depth
+        self.tree_slots = max(tree_slots, 1)
+        self.cache = new_draft_cache(net, cache_slots + max(self.depth + 1, self.tree_slots))
+        self.slot_ids = torch.arange(self.cache.num_slots, device=device)
+        run = self.depth + 1
+        self.run_offsets = torch.arange(run, device=device)
+        self.causal = torch.ones(run, run, dtype=torch.bool, device=device).tril()
+        # Step inputs. length: pairs cached before the pending ones; pending_*: the pairs to catch up on.
+        self.root = torch.zeros(1, dtype=torch.long, device=device)
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+        self.num_pending = torch.zeros((), dtype=torch.long, device=device)
+        self.pending_tokens = torch.zeros(run, dtype=torch.long, device=device)
+        self.pending_features: torch.Tensor | None = None  # [run, F], allocated at the first start()
+        self.step = Compiled(self._step) if device.type == "cuda" else self._step
+        self.graph: CapturedStep | None = None
 
     # ---- catch-up on accepted text -------------------------------------------------------------
-    def _catch_up(self, tokens: torch.Tensor, features: torch.Tensor, start: int) -> None:
-        """Pairs (tokens[k], features[k]) at positions start+k; keeps the last output for drafting."""
-        n = tokens.shape[0]
-        ctx = make_context(self.cache, self.net.rotary, start, torch.arange(start, start + n, device=tokens.device), None)
-        hidden = self.net(tokens[None], features[None], ctx)[0]
-        self.root_hidden = hidden[-1:]
-
     def start(self, prompt: torch.Tensor, target: TargetPass, first: torch.Tensor) -> None:
-        self._catch_up(torch.cat([prompt[1:], first]), self.net.target_features(target), 0)
+        """The prompt's pairs but the last run eagerly here; the last one is caught up on in propose()."""
+        tokens, features = torch.cat([prompt[1:], first]), self.net.target_features(target)
+        n = tokens.shape[0]
+        if n > 1:
+            ctx = make_context(self.cache, self.net.rotary, 0, torch.arange(n - 1, device=tokens.device), None)
+            self.net(tokens[None, :n - 1], features[None, :n - 1], ctx)
+        if self.pending_features is None or self.pending_features.shape[-1] != features.shape[-1]:
+            self.pending_features = features.new_zeros(self.depth + 1, features.shape[-1])
+        self._stage(tokens[n - 1:], features[n - 1:], n - 1, torch.ones((), dtype=torch.long, device=tokens.device))
 
     def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int, target: TargetPass, length: int) -> None:
-        keep = num_accepted + 1
-        features = self.net.target_features(target).index_select(0, acc.path[:keep])
-        self._catch_up(acc.tokens[:keep], features, length)
+        features = self.net.target_features(target).index_select(0, acc.path)
+        self._stage(acc.tokens, features, length, acc.num_accepted + 1)
+
+    def _stage(self, tokens: torch.Tensor, features: torch.Tensor, length: int, count: torch.Tensor) -> None:
+        k = tokens.shape[0]
+        self.pending_tokens[:k].copy_(tokens)
+        self.pending_features[:k].copy_(features)
+        self.length.fill_(length)
+        self.num_pending.copy_(count)
 
     # ---- drafting --------------------------------------------------------------------------------
     def propose(self, step: StepInput) -> DraftTree:
+        self.root.copy_(step.root)
+        if self.cache.k.is_cuda:
+            self.graph = self.graph or CapturedStep(self.step)
+            out = self.graph()
+        else:
+            out = self.step()
         if self.tree is not None:
-            return self._static(step)
-        return self._dynamic(step)
+            return DraftTree.from_buffers(out[0], self.tree)
+        tokens, parents, depths, mask = out
+        return DraftTree(tokens, parents, depths, mask, self.depth)
 
-    def _draft(self, tokens: torch.Tensor, features: torch.Tensor, length: int, depth: int, slots: torch.Tensor,
-               tree_rows: torch.Tensor) -> torch.Tensor:
-        positions = torch.full_like(slots, length + depth - 1)
-        ctx = tree_context(self.cache, self.net.rotary, length, positions, slots, tree_rows)
+    def _step(self) -> tuple[torch.Tensor, ...]:
+        positions = self.length + self.run_offsets
+        ctx = full_slot_context(self.cache, self.net.rotary, self.length, positions, positions, self.causal,
+                                self.slot_ids)
+        hidden = self.net(self.pending_tokens[None], self.pending_features[None], ctx)[0]
+        root_hidden = hidden.index_select(0, self.num_pending.view(1) - 1)  # [1, H] guesses the root's children
+        length = self.length + self.num_pending
+        if self.tree is not None:
+            return (self._static(root_hidden, length),)
+        return self._dynamic(root_hidden, length)
+
+    def _draft(self, tokens: torch.Tensor, features: torch.Tensor, length: torch.Tensor, depth: int,
+               offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Draft pass over nodes at tree slots length + offsets; rows [n, tree_slots] says which tree slots each sees."""
+        positions = (length + depth - 1).expand(tokens.shape[0])
+        ctx = full_slot_context(self.cache, self.net.rotary, length, positions, length + offsets, rows, self.slot_ids)
         return self.net(tokens[None], features[None], ctx)[0]
 
-    def _static(self, step: StepInput) -> DraftTree:
-        tree, length = self.tree, step.length
+    def _static(self, root_hidden: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        tree = self.tree
         num = tree.num_nodes
-        tokens = torch.empty(num, dtype=torch.long, device=step.root.device)
-        tokens[:1] = step.root
-        hidden = self.root_hidden.new_empty(num, self.root_hidden.shape[-1])
-        hidden[0] = self.root_hidden[0]
+        tokens = torch.empty(num, dtype=torch.long, device=root_hidden.device)
+        tokens[:1] = self.root
+        hidden = root_hidden.new_empty(num, root_hidden.shape[-1])
+        hidden[0] = root_hidden[0]
         top = tokens.new_empty(num, self.top_k)
-        top[0] = self.net.logits(self.root_hidden).topk(self.top_k, dim=-1).indices[0]
+        top[0] = self.net.logits(root_hidden).topk(self.top_k, dim=-1).indices[0]
         for depth in range(1, tree.max_depth + 1):
             nodes = self.levels[depth]
             parents = tree.parents[nodes]
             tokens[nodes] = top[parents, tree.ranks[nodes]]
             if depth == tree.max_depth:
                 break
-            # Node i (i >= 1) uses draft slot length + i - 1: the root's own pair is already cached.
-            out = self._draft(tokens[nodes], hidden[parents], length, depth, length + nodes - 1, tree.mask[nodes, 1:])
+            # Node i (i >= 1) uses tree slot i - 1: the root's own pair is already cached.
+            out = self._draft(tokens[nodes], hidden[parents], length, depth, nodes - 1, tree.mask[nodes, 1:])
             hidden[nodes] = out
             top[nodes] = self.net.logits(out).topk(self.top_k, dim=-1).indices
-        return DraftTree.from_buffers(tokens, tree)
+        return tokens
 
-    def _dynamic(self, step: StepInput) -> DraftTree:
-        cfg, length, device = self.dynamic, step.length, step.root.device
-        k, width = cfg.top_k, min(cfg.top_k, cfg.max_non_leaves_per_layer)
-        logp = F.log_softmax(self.net.logits(self.root_hidden), dim=-1)[0]
+    def _dynamic(self, root_hidden: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cfg, device, width = self.dynamic, root_hidden.device, self.width
+        k = cfg.top_k
+        logp = F.log_softmax(self.net.logits(root_hidden), dim=-1)[0]
         score, token = logp.topk(k)
         cand_tokens, cand_scores = [token], [score]
         cand_parents = [torch.full((k,), -1, device=device)]
         cand_depths = [torch.ones(k, dtype=torch.long, device=device)]
         frontier = score.topk(width).indices  # candidate ids
-        frontier_hidden = self.root_hidden.expand(width, -1)
-        rows = torch.zeros(width, 0, dtype=torch.bool, device=device)  # tree slots each frontier node sees
+        frontier_hidden = root_hidden.expand(width, -1)
+        rows = torch.zeros(width, self.tree_slots, dtype=torch.bool, device=device)  # tree slots each frontier node sees
+        own = torch.eye(width, dtype=torch.bool, device=device)
         total = k
         for depth in range(1, cfg.depth):
-            slots = length + (depth - 1) * width + torch.arange(width, device=device)
-            rows = torch.cat([rows, torch.eye(width, dtype=torch.bool, device=device)], dim=1)
-            out = self._draft(torch.cat(cand_tokens)[frontier], frontier_hidden, length, depth, slots, rows)
+            lo = (depth - 1) * width
+            rows = torch.cat([rows[:, :lo], own, rows[:, lo + width:]], dim=1)
+            out = self._draft(torch.cat(cand_tokens)[frontier], frontier_hidden, length, depth,
+                              lo + self.width_offsets, rows)
             logp = F.log_softmax(self.net.logits(out), dim=-1)
             child_logp, child_token = logp.topk(k, dim=-1)  # [width, k]
             child_score = (torch.cat(cand_scores)[frontier][:, None] + child_logp).flatten()
@@ -213,11 +264,12 @@ class EagleProposer:
             rows = rows[best // k]
             total += width * k
         return self._select(torch.cat(cand_tokens), torch.cat(cand_parents), torch.cat(cand_depths),
-                            torch.cat(cand_scores), step.root, cfg.depth)
+                            torch.cat(cand_scores), cfg.depth)
 
     def _select(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
-                root: torch.Tensor, max_depth: int) -> DraftTree:
-        """Keep the max_draft_len best candidates, ordered by depth, as a tree under the root."""
+                max_depth: int) -> tuple[torch.Tensor, ...]:
+        """Keep the max_draft_len best candidates, ordered by depth, as a tree under the root:
+        (tokens, parents, depths, ancestor mask)."""
         count = tokens.shape[0]
         keep = (scores - DEPTH_TIE_BREAK * depths).topk(min(self.max_draft_len, count)).indices
         keep = keep[torch.argsort(depths[keep] * count + keep)]
@@ -226,5 +278,5 @@ class EagleProposer:
         kept_parents = torch.where(parents[keep] >= 0, new_index[parents[keep].clamp(min=0)], 0)
         tree_parents = torch.cat([kept_parents.new_full((1,), -1), kept_parents])
         tree_depths = torch.cat([depths.new_zeros(1), depths[keep]])
-        return DraftTree(torch.cat([root, tokens[keep]]), tree_parents, tree_depths,
-                         ancestor_mask(tree_parents, max_depth), max_depth)
+        return (torch.cat([self.root, tokens[keep]]), tree_parents, tree_depths,
+                ancestor_mask(tree_parents, max_depth))

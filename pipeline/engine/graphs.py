@@ -1,46 +1,107 @@
-"""CUDA graphs of the target forward for a fixed number of new tokens (plain decode and tree verification).
+"""CUDA graphs (and torch.compile) for the fixed-shape steps: the target's decode and verification
+passes, and an EAGLE drafter's whole step.
 
 A graph replays fixed kernels on fixed addresses, so a captured forward cannot slice the KV cache
 to the current length. It attends over every cache slot instead, through a mask built on the
-device from a device length: new token i sees slot s when s < length (the accepted text) or when
-s = length + j and tree_mask[i, j] (its own tree ancestors). Inputs are copied into static
-buffers before each replay; outputs are the graph's static tensors, valid until the next replay
-of any graph (they share one memory pool), which is why callers copy what they keep.
+device from a device length (`model.full_slot_context`). Inputs are copied into static buffers
+before each replay; outputs are the graph's static tensors, valid until the next replay of any graph
+in the same pool, which is why callers copy what they keep.
 
-One graph per token count, captured on first use: decode steps are 1 token, a static tree always
-has the same size, EAGLE-2's dynamic tree always keeps max_draft_len nodes, and an n-gram or
-draft-model chain has at most k + 1. Prefills and trees over MAX_GRAPH_TOKENS run eagerly.
+Inside a graph, the ~20 small kernels of a decoder layer (float32 norms, rotary, cache writes, the
+attention mask) still cost a few microseconds each: at batch 1 they, not the weight reads, set the
+step time. torch.compile fuses them, so on CUDA the captured function is the compiled one.
+SPECPIPE_COMPILE=0 turns compilation off; a compiler failure falls back to the eager function.
+
+The target keeps one graph per token count, captured on first use: decode steps are 1 token, a
+static tree always has the same size, EAGLE-2's dynamic tree always keeps max_draft_len nodes, and an
+n-gram or draft-model chain has at most k + 1. Prefills and trees over MAX_GRAPH_TOKENS run eagerly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
-from pipeline.engine.model import ForwardContext, KVCache, Rotary, Transformer
+from pipeline.engine.model import KVCache, Transformer, full_slot_context
 
 MAX_GRAPH_TOKENS = 128
 # Eager runs before capture, on a side stream: they create cuBLAS handles and workspaces, which
-# capture may not do, and settle the allocator so the graph's pool holds only steady-state blocks.
+# capture may not do, compile the function, and settle the allocator so the graph's pool holds
+# only steady-state blocks.
 CAPTURE_WARMUP_RUNS = 2
+COMPILE_ENV = "SPECPIPE_COMPILE"
+# Every engine in a process compiles the same code objects again (new self, new shapes); the default
+# limit of 8 would silently leave later engines eager.
+DYNAMO_CACHE_LIMIT = 256
+
+
+def compile_enabled() -> bool:
+    return os.environ.get(COMPILE_ENV, "1") != "0"
+
+
+class Compiled:
+    """fn through torch.compile (fullgraph), or fn itself when disabled or when compiling fails."""
+
+    def __init__(self, fn: Callable[..., Any], enabled: bool | None = None):
+        self.fn = fn
+        self.compiled: Callable[..., Any] | None = None
+        if compile_enabled() if enabled is None else enabled:
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_LIMIT)
+            torch._dynamo.config.accumulated_cache_size_limit = max(
+                torch._dynamo.config.accumulated_cache_size_limit, DYNAMO_CACHE_LIMIT)
+            self.compiled = torch.compile(fn, fullgraph=True)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as exc:  # noqa: BLE001 - a compiler bug must cost speed, never the request
+                print(f"specpipe: torch.compile failed ({type(exc).__name__}: {str(exc)[:200]}); running eagerly",
+                      file=sys.stderr)
+                self.compiled = None
+        return self.fn(*args)
+
+
+class CapturedStep:
+    """fn() over static buffers, captured as one CUDA graph on its first call and replayed after."""
+
+    def __init__(self, fn: Callable[[], Any], pool: Any = None):
+        self.fn = fn
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: Any = None
+
+    def __call__(self) -> Any:
+        if self.graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(CAPTURE_WARMUP_RUNS):
+                    self.fn()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=self.pool):
+                self.outputs = self.fn()
+        self.graph.replay()
+        return self.outputs
 
 
 @dataclass
-class _Graph:
+class _Inputs:
     tokens: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     tree_mask: torch.Tensor  # [T, T] bool
-    graph: torch.cuda.CUDAGraph | None = None
-    hidden: torch.Tensor | None = None  # [T, H] output
-    captured: list[torch.Tensor] = field(default_factory=list)  # [T, H] per capture layer
 
 
 class GraphedTarget:
     """Replays of `target`'s forward over `cache`, one CUDA graph per new-token count."""
 
     def __init__(self, target: Transformer, cache: KVCache, capture_layers: tuple[int, ...],
-                 max_tokens: int = MAX_GRAPH_TOKENS):
+                 max_tokens: int = MAX_GRAPH_TOKENS, compile: bool | None = None):
         self.target, self.cache, self.capture_layers = target, cache, capture_layers
         self.max_tokens = max_tokens
         device = cache.k.device
@@ -48,7 +109,11 @@ class GraphedTarget:
         self.slot_ids = torch.arange(cache.num_slots, device=device)
         self.offsets = torch.arange(max_tokens, device=device)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, _Graph] = {}
+        # One compiled function for every token count: after the second count it recompiles once
+        # with the count symbolic instead of once per tree size.
+        self.forward = Compiled(self._forward, compile)
+        self.inputs: dict[int, _Inputs] = {}
+        self.graphs: dict[int, CapturedStep] = {}
 
     def supports(self, num_tokens: int, prefix_len: int) -> bool:
         """Decode and verification steps (after a prefill) up to max_tokens new tokens."""
@@ -58,50 +123,27 @@ class GraphedTarget:
             tree_mask: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The same (final hidden [T, H], captured [T, H] each) as the eager forward, from a replay."""
         t = tokens.shape[0]
-        g = self.graphs.get(t)
-        new = g is None
-        if new:
-            g = self.graphs[t] = _Graph(torch.zeros(t, dtype=torch.long, device=tokens.device),
-                                        torch.zeros(t, dtype=torch.long, device=tokens.device),
-                                        torch.ones(t, t, dtype=torch.bool, device=tokens.device))
+        x = self.inputs.get(t)
+        if x is None:
+            device = tokens.device
+            x = self.inputs[t] = _Inputs(torch.zeros(t, dtype=torch.long, device=device),
+                                         torch.zeros(t, dtype=torch.long, device=device),
+                                         torch.ones(t, t, dtype=torch.bool, device=device))
+            self.graphs[t] = CapturedStep(lambda: self.forward(x.tokens, x.positions, x.tree_mask), self.pool)
         # Inputs first: the capture's warm-up runs write this step's KV slots, so they must be real.
         self.length.fill_(prefix_len)
-        g.tokens.copy_(tokens)
-        g.positions.copy_(positions)
+        x.tokens.copy_(tokens)
+        x.positions.copy_(positions)
         if tree_mask is None:  # only a single token reaches here without a tree
-            g.tree_mask.fill_(True)
+            x.tree_mask.fill_(True)
         else:
-            g.tree_mask.copy_(tree_mask)
-        if new:
-            self._capture(g)
-        g.graph.replay()
-        return g.hidden, g.captured
+            x.tree_mask.copy_(tree_mask)
+        return self.graphs[t]()
 
-    def _capture(self, g: _Graph) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(CAPTURE_WARMUP_RUNS):
-                self._forward(g)
-        torch.cuda.current_stream().wait_stream(side)
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            g.hidden, g.captured = self._forward(g)
-
-    def _forward(self, g: _Graph) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        ctx = full_slot_context(self.cache, self.target.rotary, self.length, g.positions, g.tree_mask,
-                                self.slot_ids, self.offsets)
-        hidden, captured = self.target(g.tokens[None], ctx, self.capture_layers)
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                 tree_mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        t = tokens.shape[0]
+        ctx = full_slot_context(self.cache, self.target.rotary, self.length, positions, self.length + self.offsets[:t],
+                                tree_mask, self.slot_ids)
+        hidden, captured = self.target(tokens[None], ctx, self.capture_layers)
         return hidden[0], [c[0] for c in captured]
-
-
-def full_slot_context(cache: KVCache, rotary: Rotary, length: torch.Tensor, positions: torch.Tensor,
-                      tree_mask: torch.Tensor, slot_ids: torch.Tensor, offsets: torch.Tensor) -> ForwardContext:
-    """Like model.make_context, but reading every cache slot and taking the prefix length as a
-    device tensor, so that the same kernels serve every step of a replayed graph."""
-    t = positions.shape[0]
-    rel = slot_ids - length  # slot index relative to the first new token
-    in_tree = (rel >= 0) & (rel < t)
-    mask = (rel < 0) | (tree_mask[:, rel.clamp(0, t - 1)] & in_tree)  # [T, slots]
-    slots = (length + offsets[:t])[None]
-    return ForwardContext(positions[None], slots, cache, cache.num_slots, mask[None, None], False, rotary)

@@ -51,7 +51,9 @@ def load_engine(engine: EngineDir, device: torch.device, dtype: torch.dtype | No
     limits = engine.limits
     proposer = make_proposer(engine, config, tensors, target, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(engine.tokenizer_dir)
-    return Engine(target, tokenizer, limits, engine.spec, proposer)
+    runtime = Engine(target, tokenizer, limits, engine.spec, proposer)
+    runtime.warm_up()
+    return runtime
 
 
 def make_proposer(engine: EngineDir, config: dict, tensors: dict[str, torch.Tensor], target: Transformer,
@@ -143,5 +145,5 @@ def load_eagle3(draft_dir: Path, target: Transformer) -> Eagle3Net:
     state.setdefault("lm_head.weight", target.lm_head.weight.detach())
     state.setdefault("d2t", torch.zeros(draft_vocab, dtype=torch.long))
     load_into(net, state, f"{draft_dir} eagle3 draft")
-    net.d2t.copy_(state["d2t"].long())
+    net.set_d2t(state["d2t"])
     return net

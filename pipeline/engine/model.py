@@ -281,6 +281,21 @@ def make_context(cache: KVCache, rotary: Rotary, prefix_len: int, positions: tor
                           attention_mask(prefix_len, tree_mask, attn_len), False, rotary)
 
 
+def full_slot_context(cache: KVCache, rotary: Rotary, length: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor, rows: torch.Tensor, slot_ids: torch.Tensor) -> ForwardContext:
+    """Like make_context, but reading every cache slot and taking the prefix length as a device
+    tensor, so that the same kernels serve every step of a replayed CUDA graph.
+
+    New token i (at `slots[i]`, RoPE position `positions[i]`) sees slot s when s < length (the
+    accepted text) or when s = length + j and rows[i, j] (a region of S = rows.shape[1] slots past
+    the text: a tree's own nodes, or the earlier tokens of a causal run)."""
+    region = rows.shape[1]
+    rel = slot_ids - length
+    in_region = (rel >= 0) & (rel < region)
+    mask = (rel < 0) | (rows[:, rel.clamp(0, region - 1)] & in_region)  # [T, slots]
+    return ForwardContext(positions[None], slots[None], cache, cache.num_slots, mask[None, None], False, rotary)
+
+
 def decode_context(cache: KVCache, rotary: Rotary, lengths: torch.Tensor, attn_len: int) -> ForwardContext:
     """One new token per batch row, at slot and position lengths[b]; row b reads slots [0, lengths[b]]."""
     positions = lengths[:, None]

@@ -26,6 +26,9 @@ from pipeline.engine.speculative import PlainProposer, Proposer, StepInput, Targ
 from pipeline.engine.stats import SpecStats
 from pipeline.engine.tree import DraftTree
 
+WARMUP_PROMPT_TOKENS = 8
+WARMUP_NEW_TOKENS = 8  # a few steps: the first step of each graph size compiles and captures it
+
 __all__ = ["Engine", "GenerationResult", "RequestError", "SamplingParams", "StreamChunk", "SpecStats"]
 
 class Engine:
@@ -55,6 +58,13 @@ class Engine:
         from pipeline.engine.loader import load_engine
 
         return load_engine(EngineDir.load(engine_dir), torch.device(device), dtype)
+
+    def warm_up(self) -> None:
+        """Compile and capture the decode and verification graphs now rather than inside the first
+        request (on CUDA that takes seconds to a minute; torch.compile's disk cache shortens later starts)."""
+        if self.graphs is None:
+            return
+        self.generate([0] * WARMUP_PROMPT_TOKENS, SamplingParams(max_tokens=WARMUP_NEW_TOKENS, end_id=-1))
 
     # ------------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
