@@ -5,6 +5,7 @@
   run       (GPU) greedy continuations by the target, then Medusa / EAGLE / draft-model / EAGLE-3 training
 
   python build/train_draft.py prompts --output .device/data
+  python build/train_draft.py prompts --output .device/data2 --teacher-forced 20000 --max-seq-tokens 384
   python build/train_draft.py run --prompts .device/data --output /tmp/drafts --device cuda
   python build/train_draft.py run --prompts .device/data --output /tmp/tiny --device cpu --tiny
 """
