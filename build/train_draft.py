@@ -42,12 +42,12 @@ TINY_BATCH = 2
 def cmd_prompts(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
-    gguf = Path(args.gguf) if args.gguf else default_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    sharegpt = Path(args.sharegpt) if args.sharegpt else default_sharegpt()
     if args.teacher_forced < 0 or args.max_seq_tokens <= args.max_prompt_tokens:
         raise UserError("--teacher-forced must be >= 0 and --max-seq-tokens above --max-prompt-tokens "
                         f"(got {args.teacher_forced}, {args.max_seq_tokens} vs {args.max_prompt_tokens})")
+    gguf = Path(args.gguf) if args.gguf else default_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    sharegpt = Path(args.sharegpt) if args.sharegpt else default_sharegpt()
     prompts = build_prompt_set(tokenizer, sharegpt, args.count, args.held_out, args.max_prompt_tokens, args.seed,
                                args.teacher_forced, args.max_seq_tokens)
     prompts.save(Path(args.output))
