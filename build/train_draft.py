@@ -42,7 +42,7 @@ TINY_BATCH = 2
 def cmd_prompts(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
-    if args.teacher_forced < 0 or args.max_seq_tokens <= args.max_prompt_tokens:
+    if args.teacher_forced < 0 or (args.teacher_forced and args.max_seq_tokens <= args.max_prompt_tokens):
         raise UserError("--teacher-forced must be >= 0 and --max-seq-tokens above --max-prompt-tokens "
                         f"(got {args.teacher_forced}, {args.max_seq_tokens} vs {args.max_prompt_tokens})")
     gguf = Path(args.gguf) if args.gguf else default_gguf()
