@@ -12,6 +12,11 @@
 # Why a venv: this Triton's Python-backend stub misreads BYTES tensors under numpy 2 and ignores
 # PYTHONPATH, so the server runs from a venv whose .pth puts $SITE (numpy 1.26.4, tritonclient, pytriton)
 # ahead of the image's site-packages (torch, transformers) and adds this repository.
+#
+# Seen on the H200 image (2026-11-30): this does NOT work yet. The image's transformers 5.17 reads
+# numpy.long (numpy >= 2 only) on `from transformers import AutoTokenizer`, so the engine cannot load
+# under numpy 1.26; the venv check above now fails fast on it. The image already has grpcio 1.84,
+# protobuf 7.36 and requests, so whl_a needs only numpy, tritonclient, python-rapidjson and ml-dtypes.
 set -euo pipefail
 
 PY=${PY:-python3}                     # the image's Python (torch, transformers)
@@ -42,8 +47,11 @@ make_venv() {
   image_site=$("$PY" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
   venv_site=$("$TV/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   printf '%s\n' "$SITE" "$REPO" "$image_site" >"$venv_site/specpipe-serving.pth"
-  "$TV/bin/python3" -c 'import numpy, torch, tritonclient.grpc, pytriton, pipeline
+  # pytriton is located, not imported: its client half needs gevent, which the image lacks.
+  "$TV/bin/python3" -c 'import importlib.util, numpy, torch, tritonclient.grpc, pipeline
 assert numpy.__version__.startswith("1."), numpy.__version__
+assert importlib.util.find_spec("pytriton"), "nvidia-pytriton missing"
+from transformers import AutoTokenizer
 print("venv ok: numpy", numpy.__version__, "torch", torch.__version__)'
 }
 

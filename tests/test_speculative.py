@@ -196,3 +196,20 @@ def test_sampling_modes_run_and_are_seeded(tiny_llama_dir, plain, tmp_path):
         assert len(first.token_ids) == 20 and all(0 <= t < vocab for t in first.token_ids)
         assert engine.generate(ids, hot).token_ids == first.token_ids, name
         assert greedy(engine, PROMPTS[1], 13).token_ids == greedy(plain, PROMPTS[1], 13).token_ids, name
+
+
+def test_tree_from_ranks_keeps_the_most_accepted_paths():
+    """The fitted tree is prefix-closed, its expected acceptance is what expected_acceptance measures,
+    and no other tree of the same size does better (brute force over every tree on a small case)."""
+    import itertools
+
+    from pipeline.engine.tree import expected_acceptance, tree_from_ranks, validate_choices
+
+    gen = torch.Generator().manual_seed(3)
+    ranks = torch.minimum(torch.randint(0, 4, (500, 3), generator=gen), torch.randint(0, 4, (500, 3), generator=gen))
+    choices, expected = tree_from_ranks(ranks, 5, 3)
+    validate_choices(choices)
+    assert len(choices) == 5 and expected == pytest.approx(expected_acceptance(ranks, choices))
+    paths = [list(p) for d in (1, 2, 3) for p in itertools.product(range(3), repeat=d)]
+    closed = [t for t in itertools.combinations(paths, 5) if all(p[:-1] in t or len(p) == 1 for p in t)]
+    assert expected == pytest.approx(max(expected_acceptance(ranks, list(t)) for t in closed))

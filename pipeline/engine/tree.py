@@ -130,6 +130,49 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return mask
 
 
+def tree_from_ranks(ranks: torch.Tensor, num_paths: int, max_rank: int) -> tuple[Choices, float]:
+    """The static tree of `num_paths` paths that accepts the most on data, and its mean acceptance length.
+
+    ranks[n, d] is where, among head d's guesses at sample n, the token the target actually emits
+    sits (0 = top-1; anything >= max_rank counts as a miss). Path (r_1..r_k) is accepted at sample n
+    exactly when ranks[n, i] == r_i for every i <= k, so its frequency is measured, not a product of
+    per-head accuracies. At most one node per depth can be accepted, hence the mean acceptance
+    length of a tree is 1 + the sum of its paths' frequencies. A child is never more frequent than its
+    parent, so taking the most frequent paths (shallower first on ties) gives a prefix-closed tree.
+    """
+    n, depth = ranks.shape
+    scored: dict[tuple[int, ...], float] = {}
+    frontier = {(): torch.ones(n, dtype=torch.bool)}
+    for d in range(depth):
+        nxt = {}
+        for path, rows in frontier.items():
+            for r in range(max_rank):
+                hit = rows & (ranks[:, d] == r)
+                count = int(hit.sum())
+                if count:
+                    nxt[path + (r,)] = hit
+                    scored[path + (r,)] = count / n
+        # Paths rarer than the num_paths-th most frequent so far cannot enter the tree, nor can their children.
+        if len(scored) > num_paths:
+            bar = sorted(scored.values(), reverse=True)[num_paths - 1]
+            nxt = {p: rows for p, rows in nxt.items() if scored[p] >= bar}
+        frontier = nxt
+    best = sorted(scored, key=lambda p: (-scored[p], len(p), p))[:num_paths]
+    return [list(p) for p in best], 1.0 + sum(scored[p] for p in best)
+
+
+def expected_acceptance(ranks: torch.Tensor, choices: Choices) -> float:
+    """Mean acceptance length of a static tree on the same data as tree_from_ranks measures."""
+    total = 0.0
+    for path in choices:
+        if len(path) <= ranks.shape[1]:
+            hit = torch.ones(ranks.shape[0], dtype=torch.bool)
+            for d, r in enumerate(path):
+                hit &= ranks[:, d] == r
+            total += float(hit.float().mean())
+    return 1.0 + total
+
+
 def build_tree(choices: Choices) -> TreeBuffers:
     """Lay choices out as a tree: root first, then paths sorted by (depth, ranks) as Medusa does."""
     ordered = sorted((tuple(p) for p in choices), key=lambda p: (len(p), p))
