@@ -86,6 +86,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-prompts", type=int, default=d.hf_prompts, help="prompts for the Hugging Face peers (0 = skip)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--budget-s", type=float, default=d.budget_s, help="per method: no new prompt after this many seconds")
+    p.add_argument("--profile-tokens", type=int, default=d.profile_tokens,
+                   help="smollm2: after timing, profile one request of this many tokens per method (0 = off)")
     p.set_defaults(func=run_bench_command)
 
 
@@ -98,6 +100,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                       bandwidth_bytes=args.bandwidth_mib * 2**20, decode_tokens=args.decode_tokens,
                       repeats=args.repeats, target=args.target, drafts=args.drafts, work_dir=args.work_dir,
                       methods=args.methods, num_prompts=args.num_prompts, hf_prompts=args.hf_prompts,
+                      profile_tokens=args.profile_tokens,
                       max_tokens=args.max_tokens, budget_s=args.budget_s)
     print(f"wrote {run_bench(cfg)}")
     return 0

@@ -27,8 +27,8 @@ from tqdm import tqdm
 from pipeline.bench.prompts import load_prompts
 from pipeline.bench.speed import SEED, device_tag, environment, save_json, sync
 from pipeline.engine.runner import Engine
-from pipeline.engine.sampling import SamplingParams
-from pipeline.errors import UserError
+from pipeline.engine.sampling import RequestError, SamplingParams
+from pipeline.errors import USER_ERROR_EXIT_CODE, UserError
 
 IGNORE_END = -1  # end_id that no token matches: every request runs to max_tokens
 WARMUP_TOKENS = 32
@@ -177,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ServingConfig(engine=args.engine, device=args.device, prompts=args.prompts,
                             num_prompts=args.num_prompts, max_tokens=args.max_tokens, output=args.output)
         path, results = run_serving(cfg)
-    except UserError as exc:
+    except (UserError, RequestError) as exc:  # a prompt set the engine cannot take is the user's to fix too
         print(f"serving: error: {exc}", file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT_CODE
     print(format_table(results))
     print(f"wrote {path}")
     return 0

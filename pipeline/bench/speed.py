@@ -76,6 +76,7 @@ class BenchConfig:
     max_tokens: int = 256
     budget_s: float = 0.0  # per method: stop starting new prompts after this many seconds (0 = no limit)
     lookup_tokens: int = 10  # Hugging Face prompt_lookup_num_tokens
+    profile_tokens: int = 0  # per engine method, one profiled request of this many tokens after timing (0 = off)
 
     def __post_init__(self) -> None:
         bad = [s for s in self.suites if s not in SUITES]
@@ -320,13 +321,39 @@ def run_engine(name: str, engine_dir: Path, prompts: list[list[int]], cfg: Bench
         stats.append(result.stats)
     total = SpecStats.total(stats)
     tokens = sum(len(o) for o in outputs)
+    profile = profile_request(engine, prompts[0], cfg.profile_tokens) if cfg.profile_tokens else None
     del engine
     return {"method": name, "spec_mode": METHODS[name].draft or METHODS[name].build.get("speculative", "none"),
             "build": METHODS[name].build, "convert": METHODS[name].convert, "prompts": len(outputs),
             "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "acceptance_length": total.acceptance_length, "per_depth_acceptance": total.per_depth_acceptance,
             "draft_tokens_per_step": total.draft_tokens / total.steps if total.steps else 0.0,
-            "outputs": outputs}
+            "outputs": outputs, **({"profile": profile} if profile else {})}
+
+
+PROFILE_ROWS = 15
+
+
+def profile_request(engine: Engine, ids: list[int], tokens: int) -> dict[str, Any]:
+    """Where one request's time goes: wall time per step against the device's busy time, and the top
+    operators by device and by host time (torch.profiler; the step loop is timed, not the prefill)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    params = SamplingParams(max_tokens=tokens, end_id=-1)
+    with torch.inference_mode(), profile(activities=activities) as prof:
+        sync(engine.device)
+        start = time.perf_counter()
+        result = engine.generate(ids, params)
+        sync(engine.device)
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    device_key = "self_device_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
+    device_us = sum(getattr(e, device_key, 0.0) for e in events) if engine.device.type == "cuda" else None
+    return {"tokens": tokens, "steps": result.stats.steps, "wall_ms_per_step": wall * 1e3 / max(result.stats.steps, 1),
+            "device_busy_ms_per_step": None if device_us is None else device_us / 1e3 / max(result.stats.steps, 1),
+            "top_device_ops": events.table(sort_by=device_key, row_limit=PROFILE_ROWS),
+            "top_host_ops": events.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)}
 
 
 def run_hf(name: str, model: Any, prompts: list[list[int]], cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
@@ -494,6 +521,11 @@ def format_table(results: dict[str, Any]) -> str:
             acc = f"{r['acceptance_length']:.3f}" if r.get("acceptance_length") else "-"
             lines.append(f"{r['method']:<20}{r['prompts']:>8}{r['tokens_per_s']:>10.1f}{r['speedup_vs_plain']:>9.2f}"
                          f"{acc:>9}{r['exact_match_rate']:>7.2f}")
+            if "profile" in r:
+                prof = r["profile"]
+                busy = prof["device_busy_ms_per_step"]
+                lines.append(f"{'':<20}profiled: {prof['wall_ms_per_step']:.2f} ms a step"
+                             + (f", device busy {busy:.2f} ms" if busy is not None else ""))
     for name, r in results.get("coldstart", {}).items():
         lines.append(f"cold start {name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in r.items()) + " to first token")
     return "\n".join(lines)
