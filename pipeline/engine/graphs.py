@@ -28,7 +28,7 @@ import torch
 
 from pipeline.engine.model import KVCache, Transformer, full_slot_context
 
-MAX_GRAPH_TOKENS = 128
+MAX_GRAPH_TOKENS = 256  # trees up to 255 draft tokens (EAGLE-2 deep trees) still replay as graphs
 # Eager runs before capture, on a side stream: they create cuBLAS handles and workspaces, which
 # capture may not do, compile the function, and settle the allocator so the graph's pool holds
 # only steady-state blocks.
