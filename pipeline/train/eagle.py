@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -65,17 +66,24 @@ class EagleDraft(nn.Module):
         return outs
 
 
-def eagle_loss(draft: EagleDraft, frozen: FrozenHead, batch: DistillSet, steps: int) -> torch.Tensor:
-    outs = draft.unroll(frozen, batch.tokens, batch.features, steps)
-    target = batch.features[:, 1:]
-    weights = step_weights(steps, STEP_DECAY)
+def unrolled_loss(outs: list[torch.Tensor], batch: DistillSet,
+                  step_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Step-weighted mean over unrolled steps of step_loss(draft outputs, teacher features next
+    position), both taken at the positions that step trains."""
+    teacher = batch.features[:, 1:]
+    weights = step_weights(len(outs), STEP_DECAY)
     total = torch.zeros((), device=batch.tokens.device)
-    for s, (h, mask) in enumerate(zip(outs, unrolled_masks(batch, steps))):
-        pred, want = h[:, :-1][mask], target[mask]
-        loss = feature_regression(pred, want) + TOKEN_LOSS_WEIGHT * soft_cross_entropy(frozen.logits(pred),
-                                                                                     frozen.logits(want))
-        total = total + weights[s] * loss
+    for s, (h, mask) in enumerate(zip(outs, unrolled_masks(batch, len(outs)))):
+        total = total + weights[s] * step_loss(h[:, :-1][mask], teacher[mask])
     return total / sum(weights)
+
+
+def eagle_loss(draft: EagleDraft, frozen: FrozenHead, batch: DistillSet, steps: int) -> torch.Tensor:
+    def step_loss(pred: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+        return feature_regression(pred, want) + TOKEN_LOSS_WEIGHT * soft_cross_entropy(frozen.logits(pred),
+                                                                                     frozen.logits(want))
+
+    return unrolled_loss(draft.unroll(frozen, batch.tokens, batch.features, steps), batch, step_loss)
 
 
 @torch.no_grad()

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from pipeline.train.distill import DistillSet, unrolled_masks
-from pipeline.train.eagle import STEP_DECAY, eagle_config, unrolled_depth_hits
+from pipeline.train.distill import DistillSet
+from pipeline.train.eagle import eagle_config, unrolled_depth_hits, unrolled_loss
 from pipeline.train.llama_layer import MLP, Attention, LayerShape, RMSNorm, rope_tables, shift_right
-from pipeline.train.losses import soft_cross_entropy, step_weights
+from pipeline.train.losses import soft_cross_entropy
 from pipeline.train.target import FrozenHead
 
 WEIGHTS_FILE = "model.safetensors"
@@ -83,13 +83,8 @@ class Eagle3Draft(nn.Module):
 
 def eagle3_loss(draft: Eagle3Draft, frozen: FrozenHead, batch: DistillSet, steps: int) -> torch.Tensor:
     outs = draft.unroll(frozen, batch.tokens, batch.aux, steps)
-    teacher = batch.features[:, 1:]
-    weights = step_weights(steps, STEP_DECAY)
-    total = torch.zeros((), device=batch.tokens.device)
-    for s, (h, mask) in enumerate(zip(outs, unrolled_masks(batch, steps))):
-        student = frozen.logits(draft.norm(h[:, :-1][mask]))
-        total = total + weights[s] * soft_cross_entropy(student, frozen.logits(teacher[mask]))
-    return total / sum(weights)
+    return unrolled_loss(outs, batch, lambda h, teacher: soft_cross_entropy(frozen.logits(draft.norm(h)),
+                                                                           frozen.logits(teacher)))
 
 
 @torch.no_grad()
