@@ -171,8 +171,11 @@ class EagleProposer:
         self._stage(tokens[n - 1:], features[n - 1:], n - 1, torch.ones((), dtype=torch.long, device=tokens.device))
 
     def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int, target: TargetPass, length: int) -> None:
-        features = self.net.target_features(target).index_select(0, acc.path)
-        self._stage(acc.tokens, features, length, acc.num_accepted + 1)
+        # Straight into the step's buffers (acc holds max_depth + 1 entries): no per-step allocation.
+        torch.index_select(self.net.target_features(target), 0, acc.path, out=self.pending_features)
+        self.pending_tokens.copy_(acc.tokens)
+        self.length.fill_(length)
+        torch.add(acc.num_accepted, 1, out=self.num_pending)
 
     def _stage(self, tokens: torch.Tensor, features: torch.Tensor, length: int, count: torch.Tensor) -> None:
         k = tokens.shape[0]
