@@ -166,9 +166,12 @@ class EagleProposer:
         if n > 1:
             ctx = make_context(self.cache, self.net.rotary, 0, torch.arange(n - 1, device=tokens.device), None)
             self.net(tokens[None, :n - 1], features[None, :n - 1], ctx)
-        if self.pending_features is None or self.pending_features.shape[-1] != features.shape[-1]:
+        if self.pending_features is None:  # the feature width (H, or 3H for EAGLE-3) is known from here on
             self.pending_features = features.new_zeros(self.depth + 1, features.shape[-1])
-        self._stage(tokens[n - 1:], features[n - 1:], n - 1, torch.ones((), dtype=torch.long, device=tokens.device))
+        self.pending_tokens[:1].copy_(tokens[n - 1:])
+        self.pending_features[:1].copy_(features[n - 1:])
+        self.length.fill_(n - 1)
+        self.num_pending.fill_(1)
 
     def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int, target: TargetPass, length: int) -> None:
         # Straight into the step's buffers (acc holds max_depth + 1 entries): no per-step allocation.
@@ -176,13 +179,6 @@ class EagleProposer:
         self.pending_tokens.copy_(acc.tokens)
         self.length.fill_(length)
         torch.add(acc.num_accepted, 1, out=self.num_pending)
-
-    def _stage(self, tokens: torch.Tensor, features: torch.Tensor, length: int, count: torch.Tensor) -> None:
-        k = tokens.shape[0]
-        self.pending_tokens[:k].copy_(tokens)
-        self.pending_features[:k].copy_(features)
-        self.length.fill_(length)
-        self.num_pending.copy_(count)
 
     # ---- drafting --------------------------------------------------------------------------------
     def propose(self, step: StepInput) -> DraftTree:
