@@ -267,9 +267,9 @@ METHODS: dict[str, Method] = {
     "eagle-dynamic": Method("eagle", "smollm2-eagle", {"dynamic_tree": True}),
     "eagle-dynamic-deep": Method("eagle", "smollm2-eagle",
                                  {"dynamic_tree": True, "dynamic_depth": 6, "dynamic_top_k": 10}, EAGLE_DEEP),
-    # The widest tree a graph replays (MAX_GRAPH_TOKENS): acceptance 3.58 on MT-bench questions 1-24
-    # against 3.08 for the deep tree on 1-12 (CPU, 2026-11-30); whether its 11 draft passes pay is what
-    # this row measures.
+    # The widest tree a graph replays (MAX_GRAPH_TOKENS): acceptance 3.54 against 3.08 for the deep tree
+    # on MT-bench questions 1-12, 3.44 over 1-36 (CPU, 2026-11-30); whether its 11 draft passes pay is
+    # what this row measures.
     "eagle-dynamic-xl": Method("eagle", "smollm2-eagle",
                                {"dynamic_tree": True, "dynamic_depth": 12, "dynamic_top_k": 10, "max_draft_len": 255},
                                {"num_eagle_layers": 12, "max_draft_len": 255}),
