@@ -13,13 +13,14 @@
 # PYTHONPATH, so the server runs from a venv whose .pth puts $SITE (numpy 1.26.4, tritonclient, pytriton)
 # ahead of the image's site-packages (torch, transformers) and adds this repository.
 #
-# Seen on the H200 image (2026-11-30): the image's transformers 5.17 reads numpy.long (numpy >= 2 only)
-# on `from transformers import AutoTokenizer`, so without the numpy-long .pth below the engine cannot
-# load under numpy 1.26 (the venv check fails fast on it). The .pth was written after that lease and is
-# checked here only on the CPU (numpy 1.26, a Python 3.11 venv); under numpy 2 the stub really does
-# misread BYTES (reproduced on the CPU: deserialize_bytes_tensor gets a 23-byte buffer). The image
-# already has grpcio 1.84, protobuf 7.36 and requests, so whl_a needs only numpy, tritonclient,
-# python-rapidjson and ml-dtypes.
+# Seen on the H200 image (2026-11-30, session c, measured): the image's transformers 5.17 imports
+# scikit-learn from its generation utilities when it is installed, and the image's scikit-learn and
+# SciPy are built for numpy 2 (they read numpy.ulong at import), so under numpy 1.26 `from
+# transformers import AutoTokenizer` fails. The .pth below hides both from this venv (a None entry in
+# sys.modules makes importlib.util.find_spec answer None, so transformers treats them as absent);
+# nothing the engine or the Triton models use needs them. Under numpy 2 instead, the stub misreads
+# BYTES inputs (reproduced on the CPU) and returned an empty output tensor for our INT32-only engine
+# model (seen on the H200), so numpy 1.26 it is. The image already has grpcio, protobuf and requests.
 set -euo pipefail
 
 PY=${PY:-python3}                     # the image's Python (torch, transformers)
@@ -50,9 +51,10 @@ make_venv() {
   image_site=$("$PY" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
   venv_site=$("$TV/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   printf '%s\n' "$SITE" "$REPO" "$image_site" >"$venv_site/specpipe-serving.pth"
-  # The image's transformers reads numpy.long, which numpy 1.24-1.26 lack and numpy 2 defines as the
-  # C long (int64 here); the stub cannot run numpy 2 (it misreads BYTES inputs), so define the alias.
-  printf '%s\n' 'import numpy as _np; _np.__dict__.setdefault("long", _np.int_)' >"$venv_site/specpipe-numpy-long.pth"
+  # The image's scikit-learn and SciPy need numpy 2; hide them (see the header) so transformers imports.
+  rm -f "$venv_site/specpipe-numpy-long.pth"  # an earlier, insufficient workaround
+  printf '%s\n' 'import sys; sys.modules.setdefault("sklearn", None); sys.modules.setdefault("scipy", None)' \
+    >"$venv_site/specpipe-hide-numpy2-only.pth"
   # pytriton is located, not imported: its client half needs gevent, which the image lacks.
   "$TV/bin/python3" -c 'import importlib.util, numpy, torch, tritonclient.grpc, pipeline
 assert numpy.__version__.startswith("1."), numpy.__version__

@@ -8,6 +8,7 @@
   python build/train_draft.py prompts --output .device/data2 --teacher-forced 20000 --max-seq-tokens 384
   python build/train_draft.py run --prompts .device/data --output /tmp/drafts --device cuda
   python build/train_draft.py run --prompts .device/data --output /tmp/tiny --device cpu --tiny
+  python build/train_draft.py run --prompts .device/data3 --output /tmp/d --methods eagle3 --sample-copies 1
 """
 
 from __future__ import annotations
@@ -89,8 +90,11 @@ def cmd_run(args: argparse.Namespace) -> None:
     budgets = parse_method_values("--budgets", args.budgets)
     rates = {m: lr for m, (lr, _) in GPU_RECIPE.items()} | (parse_method_values("--lr", args.lr) if args.lr else {})
     check_positive(eagle_steps=args.eagle_steps, eagle3_steps=args.eagle3_steps, medusa_layers=args.medusa_layers)
+    if args.sample_copies < 0 or args.sample_temperature <= 0:
+        raise UserError(f"--sample-copies {args.sample_copies} must be >= 0 and --sample-temperature "
+                        f"{args.sample_temperature} above 0")
     shapes = dict(medusa_layers=args.medusa_layers, eagle_steps=args.eagle_steps, eagle3_steps=args.eagle3_steps,
-                  seed=args.seed)
+                  sample_copies=args.sample_copies, sample_temperature=args.sample_temperature, seed=args.seed)
     prompts = PromptSet.load(Path(args.prompts))
     if args.tiny:
         prompts = prompts.limited(6, 2, TINY_TEACHER_FORCED)
@@ -136,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--gen-batch", type=int, default=512)
     r.add_argument("--gen-budget", type=float, default=150.0, help="seconds of self-distillation at most")
+    r.add_argument("--sample-copies", type=int, default=RunSettings.sample_copies,
+                   help="sampled continuations per train prompt, after the greedy ones (budget permitting)")
+    r.add_argument("--sample-temperature", type=float, default=RunSettings.sample_temperature)
     r.add_argument("--distill-tokens", help="distill_tokens.npz of an earlier run: skip generation")
     r.add_argument("--pack-dir", help="also write each draft folder as one .tar here (the GPU lease's $OUT)")
     r.add_argument("--tiny", action="store_true", help="a few prompts and steps: a smoke test of the whole run")

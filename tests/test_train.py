@@ -16,7 +16,7 @@ from pipeline.train.eagle import EagleDraft
 from pipeline.train.eval import chain_stats
 from pipeline.train.llama_layer import LayerShape
 from pipeline.train.loop import TrainSettings
-from pipeline.train.run import FOLDERS, RunSettings, distill, run_all
+from pipeline.train.run import FOLDERS, TOKENS_FILE, RunSettings, distill, run_all
 from pipeline.train.target import FrozenHead, extract_features
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, INTER = 96, 48, 8, 4, 2, 96
@@ -203,8 +203,27 @@ def test_teacher_forced_rows_join_train_only(tiny_target, tmp_path):
     assert torch.allclose(train_set.features[3, :13], alone[0], atol=1e-5)
 
 
+def test_sampled_copies_join_train_and_survive_the_tokens_file(tiny_target, tmp_path):
+    rng = random.Random(3)
+    seq = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]
+    prompts = PromptSet([seq(5), seq(7), seq(6)], [seq(6)], EOS, PAD, "random")
+    train = {"eagle": TrainSettings(1, 1e-3, 2, 60.0)}
+    settings = RunSettings(("eagle",), max_new_tokens=6, gen_batch=4, gen_budget_s=60, feature_batch=4, train=train,
+                           sample_copies=1, sample_temperature=100.0)  # the tiny target is peaked: flatten it
+    torch.manual_seed(0)
+    train_set, held, _ = distill(tiny_target, prompts, settings, tmp_path, None)
+    assert len(held.lengths) == 1 and len(train_set.lengths) == 6
+    rows = [train_set.tokens[r, : train_set.lengths[r]].tolist() for r in range(6)]
+    starts = sorted(tuple(r[: int(n)]) for r, n in zip(rows, train_set.prompt_lens))
+    assert starts == sorted(tuple(p) for p in prompts.train * 2)  # each prompt: one greedy, one sampled row
+    assert len({tuple(r) for r in rows}) > 3  # sampling wrote something greedy did not
+    again, held_again, _ = distill(tiny_target, prompts, settings, tmp_path / "b", tmp_path / TOKENS_FILE)
+    assert torch.equal(again.tokens, train_set.tokens) and torch.equal(held_again.tokens, held.tokens)
+
+
 @pytest.mark.parametrize("flags", [["--lr", "eagle=fast"], ["--lr", "nope=1e-3"], ["--eagle-steps", "0"],
-                                   ["--medusa-layers", "0"], ["--budgets", "eagle"]])
+                                   ["--medusa-layers", "0"], ["--budgets", "eagle"], ["--sample-copies", "-1"],
+                                   ["--sample-temperature", "0"]])
 def test_run_flags_are_validated(flags, tmp_path, capsys):
     argv = ["run", "--prompts", str(tmp_path), "--output", str(tmp_path / "out"), "--device", "cpu", *flags]
     assert train_draft_main(argv) == USER_ERROR_EXIT_CODE

@@ -219,7 +219,9 @@ def run_roofline(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
     result: dict[str, Any] = {"shape": cfg.shape, "dtype": str(dtype).removeprefix("torch."),
                               "weight_bytes_per_step": weight_bytes, "bandwidth": bandwidth,
                               "floor_step_ms": 1e3 / floor_tps, "floor_tokens_per_s": floor_tps,
-                              "kv_slots": engine.cache.num_slots}
+                              "kv_slots": engine.cache.num_slots,
+                              "single_token_kernel_layers": sum(getattr(m, "gemv", None) is not None
+                                                                for m in model.modules())}
     with torch.inference_mode():
         tps = decode_rate(engine, prompt, cfg.decode_tokens, cfg.repeats)
         result["decode_tokens_per_s"] = tps
@@ -275,6 +277,10 @@ METHODS: dict[str, Method] = {
                                {"num_eagle_layers": 12, "max_draft_len": 255}),
     "eagle3": Method("eagle3", "smollm2-eagle3", {"dynamic_tree": True}),
     "eagle3-deep": Method("eagle3", "smollm2-eagle3", {"dynamic_tree": True, "dynamic_depth": 7, "dynamic_top_k": 10}),
+    # EAGLE-3 reuses one draft layer at every depth, so only the checkpoint's draft length bounds the tree.
+    "eagle3-xl": Method("eagle3", "smollm2-eagle3",
+                        {"dynamic_tree": True, "dynamic_depth": 12, "dynamic_top_k": 10, "max_draft_len": 255},
+                        {"max_draft_len": 255}),
     "draft-model": Method("draft_model", "smollm2-draft"),
     "ngram": Method(None, None, {"speculative": "ngram"}),
 }

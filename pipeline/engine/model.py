@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -173,13 +173,26 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose single-token products may go through gemv.py's kernel (set by gemv.attach on
+    CUDA); every other call, and every CPU call, is F.linear."""
+
+    gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is None or x.shape[:-1].numel() != 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.gemv(x.reshape(-1), self.weight).view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, in_features: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_size
-        self.qkv = nn.Linear(in_features or cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
-        self.dense = nn.Linear(cfg.num_heads * cfg.head_size, cfg.hidden_size, bias=cfg.dense_bias)
+        self.qkv = Linear(in_features or cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
+        self.dense = Linear(cfg.num_heads * cfg.head_size, cfg.hidden_size, bias=cfg.dense_bias)
 
     def forward(self, x: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -219,8 +232,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.fc_gate = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.fc_gate = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = SUPPORTED_ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -312,7 +325,7 @@ class Transformer(nn.Module):
         self.vocab_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.ln_f = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
 
     def new_cache(self, slots: int, batch: int = 1) -> KVCache:

@@ -187,7 +187,7 @@ def build_prompt_set(tokenizer, path: Path, count: int, held_out: int, max_promp
         if len(chosen) >= wanted:
             break
     if len(chosen) < wanted:
-        raise UserError(f"{path}: only {len(chosen)} usable prompts, {wanted} asked; lower --prompts/--held-out")
+        raise UserError(f"{path}: only {len(chosen)} usable prompts, {wanted} asked; lower --count or --held-out")
     random.Random(seed).shuffle(chosen)
     held_records = {index for index, _, _ in chosen[:held_out]}
     held_texts = {text for _, text, _ in chosen[:held_out]}  # ShareGPT repeats some conversations verbatim

@@ -6,8 +6,10 @@ Sequences are stored right-padded in one tensor; `prompt_lens` marks where the t
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,10 +20,11 @@ from pipeline.train.target import extract_features
 
 
 @torch.no_grad()
-def greedy_continuations(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-                         eos_id: int, pad_id: int, time_budget_s: float) -> tuple[list[list[int]], list[int]]:
-    """(prompt + greedy continuation through the first EOS, prompt length) per prompt; prompts of
-    similar length are batched together.
+def continuations(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
+                  eos_id: int, pad_id: int, time_budget_s: float,
+                  temperature: float = 0.0) -> tuple[list[list[int]], list[int]]:
+    """(prompt + the target's continuation through the first EOS, prompt length) per prompt; prompts of
+    similar length are batched together. Greedy at temperature 0, else sampled from the full distribution.
 
     Stops early, keeping finished batches, once `time_budget_s` is spent."""
     device = next(model.parameters()).device
@@ -29,7 +32,10 @@ def greedy_continuations(model: nn.Module, prompts: list[list[int]], max_new_tok
     out: list[list[int]] = []
     prompt_lens: list[int] = []
     start = time.monotonic()
-    bar = tqdm(range(0, len(order), batch_size), desc="self-distill", unit="batch")
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
+    desc = f"self-distill (T={temperature:g})" if temperature > 0 else "self-distill (greedy)"
+    bar = tqdm(range(0, len(order), batch_size), desc=desc, unit="batch")
     for lo in bar:
         if time.monotonic() - start > time_budget_s:
             bar.write(f"self-distill: time budget spent after {len(out)} sequences")
@@ -41,7 +47,7 @@ def greedy_continuations(model: nn.Module, prompts: list[list[int]], max_new_tok
         for row, p in enumerate(batch):  # left padding: every prompt ends where generation starts
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **sampling,
                              max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id)
         for row, p in enumerate(batch):
             cont = gen[row, width:].tolist()
@@ -96,8 +102,12 @@ class DistillSet:
     def save_tokens(self, path) -> None:
         """Compact, device-independent record of the sequences (uint16 ids: vocab < 65536)."""
         flat = torch.cat([self.tokens[i, : int(n)] for i, n in enumerate(self.lengths)])
-        np.savez_compressed(path, tokens=flat.cpu().numpy().astype(np.uint16), lengths=self.lengths.cpu().numpy(),
-                            prompt_lens=self.prompt_lens.cpu().numpy())
+        path = Path(path)
+        partial = path.with_name(path.name + ".partial")  # another trainer may be waiting for `path`
+        with open(partial, "wb") as f:
+            np.savez_compressed(f, tokens=flat.cpu().numpy().astype(np.uint16), lengths=self.lengths.cpu().numpy(),
+                                prompt_lens=self.prompt_lens.cpu().numpy())
+        os.replace(partial, path)
 
     @classmethod
     def load_tokens(cls, path, pad_id: int) -> "DistillSet":

@@ -22,7 +22,7 @@ from torch import nn
 from pipeline.errors import atomic_output_dir
 from pipeline.train import draft_model, eagle, eagle3, medusa
 from pipeline.train.data import PromptSet
-from pipeline.train.distill import DistillSet, attach_features, greedy_continuations, random_batches
+from pipeline.train.distill import DistillSet, attach_features, continuations, random_batches
 from pipeline.train.eval import ChainStats, chain_stats, format_table
 from pipeline.train.loop import TrainSettings, plot_log, train
 from pipeline.train.target import FrozenHead, eagle3_layers, layer_shape
@@ -50,6 +50,11 @@ class RunSettings:
     eagle_steps: int = 3
     eagle3_steps: int = 3
     draft_layers: tuple[int, ...] = (0, 29)
+    # Extra train rows: each train prompt continued again, sampled. The target's distribution stays the
+    # label at every position, so sampled text adds contexts the target really writes in, beyond the
+    # few thousand usable ShareGPT first turns.
+    sample_copies: int = 0
+    sample_temperature: float = 0.8
     seed: int = 0
     base_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -72,15 +77,22 @@ def distill(target: nn.Module, prompts: PromptSet, s: RunSettings, out: Path,
     if tokens_file is not None:
         both = DistillSet.load_tokens(tokens_file, prompts.pad_token_id)
     else:
-        held_seqs, held_lens = greedy_continuations(target, prompts.held_out, s.max_new_tokens, s.gen_batch,
-                                                    prompts.eos_token_id, prompts.pad_token_id, float("inf"))
-        train_seqs, train_lens = greedy_continuations(target, prompts.train, s.max_new_tokens, s.gen_batch,
-                                                      prompts.eos_token_id, prompts.pad_token_id, s.gen_budget_s)
-        both = DistillSet.from_sequences(held_seqs + train_seqs, held_lens + train_lens, prompts.pad_token_id)
+        gen = lambda rows, budget, t=0.0: continuations(target, rows, s.max_new_tokens, s.gen_batch,
+                                                         prompts.eos_token_id, prompts.pad_token_id, budget, t)
+        seqs, lens = gen(prompts.held_out, float("inf"))
+        train_seqs, train_lens = gen(prompts.train, s.gen_budget_s)
+        seqs, lens = seqs + train_seqs, lens + train_lens
+        for _ in range(s.sample_copies):
+            left = s.gen_budget_s - (time.monotonic() - t0)
+            if left > 0:
+                more, more_lens = gen(prompts.train, left, s.sample_temperature)
+                seqs, lens = seqs + more, lens + more_lens
+        both = DistillSet.from_sequences(seqs, lens, prompts.pad_token_id)
         both.save_tokens(out / TOKENS_FILE)
     rows = torch.arange(len(both.lengths))
     held = len(prompts.held_out)  # a tokens file holds at most the prompts' rows: fewer under --tiny
-    held_set, self_train = both.subset(rows[:held]), both.subset(rows[held:held + len(prompts.train)])
+    train_rows = len(prompts.train) * (1 + s.sample_copies)
+    held_set, self_train = both.subset(rows[:held]), both.subset(rows[held:held + train_rows])
     forced = DistillSet.from_sequences(prompts.teacher_forced, prompts.teacher_forced_prompt_lens,
                                        prompts.pad_token_id) if prompts.teacher_forced else None
     train_set = DistillSet.concat([self_train, forced], prompts.pad_token_id) if forced else self_train
