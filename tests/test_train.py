@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from build.train_draft import main as train_draft_main
-from pipeline.errors import USER_ERROR_EXIT_CODE
+from pipeline.errors import USER_ERROR_EXIT_CODE, UserError
 from pipeline.train.data import PROMPT_FILE, PromptSet, build_prompt_set, iter_records, user_prompt
+from pipeline.train.distill import DistillSet
 from pipeline.train.eagle import EagleDraft
 from pipeline.train.eval import chain_stats
 from pipeline.train.llama_layer import LayerShape
@@ -173,6 +174,22 @@ def test_teacher_forced_rows_avoid_held_out_conversations(word_tokenizer, tmp_pa
     assert len({tuple(r) for r in prompts.teacher_forced}) == 40
 
 
+def test_later_turns_join_train_and_skip_held_out_conversations(word_tokenizer, tmp_path):
+    path = sharegpt_file(tmp_path / "sharegpt.json", records=30)
+    plain = build_prompt_set(word_tokenizer, path, count=10, held_out=5, max_prompt_tokens=20, seed=3)
+    more = build_prompt_set(word_tokenizer, path, count=10, held_out=5, max_prompt_tokens=20, seed=3, later_turns=20)
+    assert more.held_out == plain.held_out and more.train[:10] == plain.train  # the split ignores --later-turns
+    later = more.train[10:]
+    assert len(later) == 20 and len({tuple(p) for p in later}) == 20
+    convs = list(iter_records(path))
+    held = {i for i, c in enumerate(convs[:15])  # the first count + held_out usable records are the candidates
+            if user_prompt(word_tokenizer, c["conversations"][0]["value"]) in plain.held_out}
+    second = {tuple(user_prompt(word_tokenizer, c["conversations"][2]["value"])): i for i, c in enumerate(convs)}
+    assert len(held) == 5 and all(second[tuple(p)] not in held for p in later)
+    with pytest.raises(UserError, match="--later-turns"):
+        build_prompt_set(word_tokenizer, path, count=10, held_out=5, max_prompt_tokens=20, seed=3, later_turns=500)
+
+
 def test_prompt_files_round_trip_and_old_files_load(tmp_path):
     prompts = PromptSet([[5, 6, 7]], [[8, 9]], EOS, PAD, "test", [[5, 6, 7, 8], [9, 10, 11]], [2, 1])
     prompts.save(tmp_path / "new")
@@ -219,6 +236,23 @@ def test_sampled_copies_join_train_and_survive_the_tokens_file(tiny_target, tmp_
     assert len({tuple(r) for r in rows}) > 3  # sampling wrote something greedy did not
     again, held_again, _ = distill(tiny_target, prompts, settings, tmp_path / "b", tmp_path / TOKENS_FILE)
     assert torch.equal(again.tokens, train_set.tokens) and torch.equal(held_again.tokens, held.tokens)
+
+
+def test_a_tokens_file_is_extended_to_new_train_prompts(tiny_target, tmp_path):
+    rng = random.Random(4)
+    seq = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]
+    small = PromptSet([seq(5), seq(7)], [seq(6)], EOS, PAD, "random")
+    big = PromptSet(small.train + [seq(4), seq(9)], small.held_out, EOS, PAD, "random")
+    train = {"eagle": TrainSettings(1, 1e-3, 2, 60.0)}
+    settings = RunSettings(("eagle",), max_new_tokens=6, gen_batch=4, gen_budget_s=60, feature_batch=4, train=train)
+    first, held, _ = distill(tiny_target, small, settings, tmp_path / "a", None)
+    extended, held_again, _ = distill(tiny_target, big, settings, tmp_path / "b", tmp_path / "a" / TOKENS_FILE)
+    fresh, _, _ = distill(tiny_target, big, settings, tmp_path / "c", None)
+    rows = lambda d: sorted(tuple(t[: int(n)].tolist()) for t, n in zip(d.tokens, d.lengths))
+    assert torch.equal(held_again.tokens, held.tokens)
+    assert len(extended.lengths) == 4 and set(rows(first)) < set(rows(extended))
+    assert rows(extended) == rows(fresh)  # the two new prompts continued as a fresh run would
+    assert len(DistillSet.load_tokens(tmp_path / "b" / TOKENS_FILE, PAD).lengths) == 1 + 4
 
 
 @pytest.mark.parametrize("flags", [["--lr", "eagle=fast"], ["--lr", "nope=1e-3"], ["--eagle-steps", "0"],

@@ -74,6 +74,17 @@ def first_human_turns(records: Iterable[dict]) -> Iterator[tuple[int, str]]:
                 yield index, value
 
 
+def later_human_turns(records: Iterable[dict], skip: set[int]) -> Iterator[str]:
+    """Text of every usable human turn after the first, in records whose index is not in `skip`."""
+    for index, record in enumerate(records):
+        if index in skip:
+            continue
+        for turn in (record.get("conversations") or [])[1:]:
+            value = turn_text(turn)
+            if turn.get("from") == "human" and len(value) >= MIN_PROMPT_CHARS:
+                yield value
+
+
 def reply_pairs(record: dict) -> Iterator[tuple[str, str]]:
     """Every (human turn, the gpt reply right after it) of one conversation, read without the turns before."""
     turns = record.get("conversations") or []
@@ -173,10 +184,29 @@ def teacher_forced_rows(tokenizer, pairs: list[tuple[str, str]], count: int, max
     return rows, prompt_lens
 
 
+def later_turn_prompts(tokenizer, texts: Iterable[str], count: int, max_prompt_tokens: int, seed: int,
+                       exclude: set[str]) -> list[list[int]]:
+    """Up to `count` chat-templated prompts of distinct `texts` not in `exclude`, in a seeded order."""
+    pool = sorted(set(texts) - exclude)
+    random.Random(f"later-turns-{seed}").shuffle(pool)
+    prompts: list[list[int]] = []
+    with tqdm(total=count, desc="later-turn prompts", unit="prompt") as bar:
+        for text in pool:
+            if len(prompts) >= count:
+                break
+            ids = user_prompt(tokenizer, text)
+            if len(ids) <= max_prompt_tokens:
+                prompts.append(ids)
+                bar.update()
+    return prompts
+
+
 def build_prompt_set(tokenizer, path: Path, count: int, held_out: int, max_prompt_tokens: int, seed: int,
-                     teacher_forced: int = 0, max_seq_tokens: int = 384) -> PromptSet:
+                     teacher_forced: int = 0, max_seq_tokens: int = 384, later_turns: int = 0) -> PromptSet:
     """`count` train and `held_out` held-out first turns of at most `max_prompt_tokens` templated tokens,
-    plus `teacher_forced` rows from conversations other than the held-out ones."""
+    plus `teacher_forced` rows from conversations other than the held-out ones, plus `later_turns`
+    train prompts taken from the human turns after the first (read alone, without the conversation
+    before them: the target answers them in its own words, which is all self-distillation needs)."""
     records = list(iter_records(path))
     wanted = count + held_out
     chosen: list[tuple[int, str, list[int]]] = []
@@ -198,10 +228,16 @@ def build_prompt_set(tokenizer, path: Path, count: int, held_out: int, max_promp
     if len(tf_rows) < teacher_forced:
         raise UserError(f"{path}: only {len(tf_rows)} usable teacher-forced pairs, {teacher_forced} asked; "
                         "lower --teacher-forced or raise --max-seq-tokens")
+    later = later_turn_prompts(tokenizer, later_human_turns(records, held_records), later_turns, max_prompt_tokens,
+                               seed, held_texts | {text for _, text, _ in chosen}) if later_turns else []
+    if len(later) < later_turns:
+        raise UserError(f"{path}: only {len(later)} usable later-turn prompts, {later_turns} asked; lower --later-turns")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     source = f"{path.name}: first human turns, <= {max_prompt_tokens} tokens"
+    if later_turns:
+        source += f"; {later_turns} later human turns read alone"
     if teacher_forced:
         source += f"; {teacher_forced} teacher-forced (human, gpt) pairs, <= {max_seq_tokens} tokens"
-    return PromptSet(train=[ids for _, _, ids in chosen[held_out:]], held_out=[ids for _, _, ids in chosen[:held_out]],
+    return PromptSet(train=[ids for _, _, ids in chosen[held_out:]] + later, held_out=[ids for _, _, ids in chosen[:held_out]],
                      eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, source=source,
                      teacher_forced=tf_rows, teacher_forced_prompt_lens=tf_lens)

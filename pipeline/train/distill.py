@@ -103,6 +103,7 @@ class DistillSet:
         """Compact, device-independent record of the sequences (uint16 ids: vocab < 65536)."""
         flat = torch.cat([self.tokens[i, : int(n)] for i, n in enumerate(self.lengths)])
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".partial")  # another trainer may be waiting for `path`
         with open(partial, "wb") as f:
             np.savez_compressed(f, tokens=flat.cpu().numpy().astype(np.uint16), lengths=self.lengths.cpu().numpy(),
@@ -111,11 +112,15 @@ class DistillSet:
 
     @classmethod
     def load_tokens(cls, path, pad_id: int) -> "DistillSet":
-        data = np.load(path)
-        flat, lengths = data["tokens"].astype(np.int64), data["lengths"]
-        bounds = np.concatenate([[0], np.cumsum(lengths)])
-        seqs = [flat[bounds[i]:bounds[i + 1]].tolist() for i in range(len(lengths))]
-        return cls.from_sequences(seqs, data["prompt_lens"].tolist(), pad_id)
+        return cls.from_sequences(*read_tokens(path), pad_id)
+
+
+def read_tokens(path) -> tuple[list[list[int]], list[int]]:
+    """(sequences, prompt lengths) of a file written by DistillSet.save_tokens."""
+    data = np.load(path)
+    flat, lengths = data["tokens"].astype(np.int64), data["lengths"]
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    return [flat[bounds[i]:bounds[i + 1]].tolist() for i in range(len(lengths))], data["prompt_lens"].tolist()
 
 
 @torch.no_grad()

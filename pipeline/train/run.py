@@ -22,7 +22,7 @@ from torch import nn
 from pipeline.errors import atomic_output_dir
 from pipeline.train import draft_model, eagle, eagle3, medusa
 from pipeline.train.data import PromptSet
-from pipeline.train.distill import DistillSet, attach_features, continuations, random_batches
+from pipeline.train.distill import DistillSet, attach_features, continuations, random_batches, read_tokens
 from pipeline.train.eval import ChainStats, chain_stats, format_table
 from pipeline.train.loop import TrainSettings, plot_log, train
 from pipeline.train.target import FrozenHead, eagle3_layers, layer_shape
@@ -70,29 +70,37 @@ class MethodResult:
 
 def distill(target: nn.Module, prompts: PromptSet, s: RunSettings, out: Path,
             tokens_file: Path | None) -> tuple[DistillSet, DistillSet, dict]:
-    """(train, held-out) sequences with features, on the target's device; reuses `tokens_file`
-    (written by an earlier run) instead of generating when given. The teacher-forced rows join the
-    train set only: the held-out set stays the target's own text, what the drafts meet when serving."""
+    """(train, held-out) sequences with features, on the target's device. The teacher-forced rows join
+    the train set only: the held-out set stays the target's own text, what the drafts meet when serving.
+
+    With `tokens_file` (written by an earlier run) its sequences are reused: its first rows are the
+    held-out ones, and train prompts it has no sequence for (matched by their tokens) are continued
+    now, greedily, so a bigger prompt set extends an old file instead of generating it all again."""
     t0 = time.monotonic()
+    held = len(prompts.held_out)
+    gen = lambda rows, budget, t=0.0: continuations(target, rows, s.max_new_tokens, s.gen_batch,
+                                                     prompts.eos_token_id, prompts.pad_token_id, budget, t)
     if tokens_file is not None:
-        both = DistillSet.load_tokens(tokens_file, prompts.pad_token_id)
+        seqs, lens = read_tokens(tokens_file)
+        covered = {tuple(q[:n]) for q, n in zip(seqs[held:], lens[held:])}
+        missing = [p for p in prompts.train if tuple(p) not in covered]
     else:
-        gen = lambda rows, budget, t=0.0: continuations(target, rows, s.max_new_tokens, s.gen_batch,
-                                                         prompts.eos_token_id, prompts.pad_token_id, budget, t)
         seqs, lens = gen(prompts.held_out, float("inf"))
-        train_seqs, train_lens = gen(prompts.train, s.gen_budget_s)
-        seqs, lens = seqs + train_seqs, lens + train_lens
-        for _ in range(s.sample_copies):
+        missing = prompts.train
+    if missing:
+        more, more_lens = gen(missing, s.gen_budget_s)
+        seqs, lens = seqs + more, lens + more_lens
+        for _ in range(s.sample_copies if tokens_file is None else 0):
             left = s.gen_budget_s - (time.monotonic() - t0)
             if left > 0:
                 more, more_lens = gen(prompts.train, left, s.sample_temperature)
                 seqs, lens = seqs + more, lens + more_lens
-        both = DistillSet.from_sequences(seqs, lens, prompts.pad_token_id)
-        both.save_tokens(out / TOKENS_FILE)
-    rows = torch.arange(len(both.lengths))
-    held = len(prompts.held_out)  # a tokens file holds at most the prompts' rows: fewer under --tiny
-    train_rows = len(prompts.train) * (1 + s.sample_copies)
-    held_set, self_train = both.subset(rows[:held]), both.subset(rows[held:held + train_rows])
+        DistillSet.from_sequences(seqs, lens, prompts.pad_token_id).save_tokens(out / TOKENS_FILE)
+    wanted = {tuple(p) for p in prompts.train}  # a tokens file may hold more (--tiny uses a few prompts)
+    train_rows = [i for i in range(held, len(seqs)) if tuple(seqs[i][:lens[i]]) in wanted]
+    pick = lambda rows: DistillSet.from_sequences([seqs[i] for i in rows], [lens[i] for i in rows],
+                                                  prompts.pad_token_id)
+    held_set, self_train = pick(range(held)), pick(train_rows)
     forced = DistillSet.from_sequences(prompts.teacher_forced, prompts.teacher_forced_prompt_lens,
                                        prompts.pad_token_id) if prompts.teacher_forced else None
     train_set = DistillSet.concat([self_train, forced], prompts.pad_token_id) if forced else self_train
