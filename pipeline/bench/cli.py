@@ -87,7 +87,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--budget-s", type=float, default=d.budget_s, help="per method: no new prompt after this many seconds")
     p.add_argument("--profile-tokens", type=int, default=d.profile_tokens,
-                   help="smollm2: after timing, profile one request of this many tokens per method (0 = off)")
+                   help="after timing, profile one request of this many tokens per smollm2 method and "
+                        "one plain decode of the roofline model (0 = off)")
     p.set_defaults(func=run_bench_command)
 
 

@@ -76,7 +76,7 @@ class BenchConfig:
     max_tokens: int = 256
     budget_s: float = 0.0  # per method: stop starting new prompts after this many seconds (0 = no limit)
     lookup_tokens: int = 10  # Hugging Face prompt_lookup_num_tokens
-    profile_tokens: int = 0  # per engine method, one profiled request of this many tokens after timing (0 = off)
+    profile_tokens: int = 0  # one profiled request of this many tokens per engine after timing (0 = off)
 
     def __post_init__(self) -> None:
         bad = [s for s in self.suites if s not in SUITES]
@@ -229,6 +229,8 @@ def run_roofline(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
         costs = verify_costs(engine, ROOFLINE_PROMPT_LEN, VERIFY_TREE_SIZES, cfg.repeats)
         result["verify_ms"] = {str(k): v * 1e3 for k, v in costs.items()}
         result["verify_cost_vs_1"] = {str(k): v / costs[1] for k, v in costs.items()}
+        if cfg.profile_tokens:  # which kernels the remaining gap to the floor is spent in
+            result["profile"] = profile_request(engine, prompt, cfg.profile_tokens)
         if engine.graphs is not None:  # what compilation buys: the same graphs of uncompiled kernels
             engine.graphs = GraphedTarget(model, engine.cache, (), compile=False)
             result["uncompiled_graph_decode_tokens_per_s"] = decode_rate(engine, prompt, cfg.decode_tokens // 4, 1)
@@ -508,6 +510,11 @@ def save_json(path: Path, value: Any) -> None:
     tmp.replace(path)
 
 
+def profile_line(prof: dict[str, Any]) -> str:
+    busy = prof["device_busy_ms_per_step"]
+    return f"profiled: {prof['wall_ms_per_step']:.2f} ms a step" + (f", device busy {busy:.2f} ms" if busy is not None else "")
+
+
 def format_table(results: dict[str, Any]) -> str:
     env = results["environment"]
     lines = [f"device {env.get('gpu', 'cpu')}  driver {env.get('driver', '-')}  torch {env['torch']}  "
@@ -523,6 +530,8 @@ def format_table(results: dict[str, Any]) -> str:
                      f"{roof['eager_decode_tokens_per_s']:.1f})" if "eager_decode_tokens_per_s" in roof else ""),
                   "verify tree: " + "  ".join(f"{k}:{roof['verify_ms'][k]:.3f}ms ({v:.2f}x)"
                                               for k, v in roof["verify_cost_vs_1"].items())]
+        if "profile" in roof:
+            lines.append("plain decode " + profile_line(roof["profile"]))
     smol = results.get("smollm2")
     if smol:
         lines.append(f"{'method':<20}{'prompts':>8}{'tok/s':>10}{'x plain':>9}{'acc len':>9}{'match':>7}")
@@ -534,10 +543,7 @@ def format_table(results: dict[str, Any]) -> str:
             lines.append(f"{r['method']:<20}{r['prompts']:>8}{r['tokens_per_s']:>10.1f}{r['speedup_vs_plain']:>9.2f}"
                          f"{acc:>9}{r['exact_match_rate']:>7.2f}")
             if "profile" in r:
-                prof = r["profile"]
-                busy = prof["device_busy_ms_per_step"]
-                lines.append(f"{'':<20}profiled: {prof['wall_ms_per_step']:.2f} ms a step"
-                             + (f", device busy {busy:.2f} ms" if busy is not None else ""))
+                lines.append(f"{'':<20}" + profile_line(r["profile"]))
     for name, r in results.get("coldstart", {}).items():
         lines.append(f"cold start {name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in r.items()) + " to first token")
     return "\n".join(lines)

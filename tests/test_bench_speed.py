@@ -1,0 +1,46 @@
+"""`specpipe bench` on the CPU: the roofline suite on the tiny shape and the SmolLM2 suite on one short
+prompt, both with a profiled request, through the same code the H200 runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.bench.speed import BenchConfig, VERIFY_TREE_SIZES, run_bench
+from pipeline.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_roofline_suite_reports_the_floor_the_trees_and_a_profile(tmp_path, capsys):
+    path = run_bench(BenchConfig(device="cpu", suites=("roofline",), output=tmp_path, shape="tiny",
+                                 bandwidth_bytes=2**24, decode_tokens=8, repeats=1, profile_tokens=4))
+    roof = json.loads(path.read_text())["roofline"]
+    assert roof["decode_tokens_per_s"] > 0 and roof["floor_tokens_per_s"] > 0
+    assert roof["decode_fraction_of_floor"] == pytest.approx(roof["decode_tokens_per_s"] / roof["floor_tokens_per_s"])
+    assert set(roof["verify_cost_vs_1"]) == {str(n) for n in (1, *VERIFY_TREE_SIZES)}
+    assert roof["single_token_kernel_layers"] == 0  # CPU: the library GEMM everywhere
+    assert roof["profile"]["steps"] == 3 and roof["profile"]["wall_ms_per_step"] > 0  # 4 tokens: prefill + 3 steps
+    assert "aten::" in roof["profile"]["top_host_ops"]
+    assert "plain decode profiled:" in capsys.readouterr().out
+
+
+def test_smollm2_suite_matches_plain_for_every_method(tmp_path):
+    cfg = BenchConfig(device="cpu", suites=("smollm2",), output=tmp_path / "out", drafts=ROOT / "drafts",
+                      work_dir=tmp_path / "work", methods=("plain", "eagle3-deep", "ngram"), num_prompts=1,
+                      hf_prompts=1, max_tokens=8, profile_tokens=4)
+    methods = json.loads(run_bench(cfg).read_text())["smollm2"]["methods"]
+    assert set(methods) == {"plain", "eagle3-deep", "ngram", "hf-generate", "hf-prompt-lookup"}
+    plain = methods["plain"]["outputs"]
+    assert len(plain) == 1 and len(plain[0]) == 8
+    for name, r in methods.items():
+        assert r["exact_match_rate"] == 1.0, name  # greedy speculation and the HF peers: the same 8 tokens
+    assert methods["eagle3-deep"]["acceptance_length"] >= 1.0
+    assert methods["eagle3-deep"]["profile"]["tokens"] == 4
+
+
+def test_unknown_method_is_one_clear_error():
+    with pytest.raises(UserError, match="--methods eagle4"):
+        BenchConfig(methods=("eagle4",))
