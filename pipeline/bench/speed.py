@@ -350,7 +350,8 @@ PROFILE_ROWS = 15
 
 def profile_request(engine: Engine, ids: list[int], tokens: int) -> dict[str, Any]:
     """Where one request's time goes: wall time per step against the device's busy time, and the top
-    operators by device and by host time (torch.profiler; the step loop is timed, not the prefill)."""
+    operators by device and by host time (torch.profiler over the whole request, prefill included, so
+    use a request of a few hundred tokens for per-step numbers)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
