@@ -356,12 +356,15 @@ def profile_request(engine: Engine, ids: list[int], tokens: int) -> dict[str, An
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     params = SamplingParams(max_tokens=tokens, end_id=-1)
-    with torch.inference_mode(), profile(activities=activities) as prof:
-        sync(engine.device)
-        start = time.perf_counter()
-        result = engine.generate(ids, params)
-        sync(engine.device)
-        wall = time.perf_counter() - start
+    try:
+        with torch.inference_mode(), profile(activities=activities) as prof:
+            sync(engine.device)
+            start = time.perf_counter()
+            result = engine.generate(ids, params)
+            sync(engine.device)
+            wall = time.perf_counter() - start
+    except Exception as exc:  # a profiler that fails (CUPTI and CUDA graphs) must not cost the timings
+        return {"error": f"{type(exc).__name__}: {exc}"}
     events = prof.key_averages()
     device_key = "self_device_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
     device_us = sum(getattr(e, device_key, 0.0) for e in events) if engine.device.type == "cuda" else None
@@ -512,6 +515,8 @@ def save_json(path: Path, value: Any) -> None:
 
 
 def profile_line(prof: dict[str, Any]) -> str:
+    if "error" in prof:
+        return f"profile failed: {prof['error'][:120]}"
     busy = prof["device_busy_ms_per_step"]
     return f"profiled: {prof['wall_ms_per_step']:.2f} ms a step" + (f", device busy {busy:.2f} ms" if busy is not None else "")
 
