@@ -3,8 +3,9 @@
 At batch 1 a decode step is one row times every weight matrix, so its speed is how fast those
 matrices stream from memory. cuBLAS's bf16 kernels for one row read the Llama-3-8B projections at
 3.2-3.9 TB/s on an H200; this kernel, each program summing BLOCK_ROWS whole rows in float32, read
-them at 4.1-4.5 TB/s in the same probe (CUDA graphs of 40 calls, 2026-11-30): 3.48 ms against
-4.04 ms for the 129 products of one token. Only half-precision weights use it (float32 models are
+them at 4.1-4.4 TB/s in the same probe (build/probe_gemv.py, 2026-11-30; the 34 MB output projection
+read faster than memory by both, partly from L2): 3.48 ms against 4.04 ms for the 129 products of
+one token. Only half-precision weights use it (float32 models are
 small and launch-bound), and only single-token products: trees and prefills stay on cuBLAS.
 
 Imported only on CUDA (it needs Triton); `SPECPIPE_GEMV=0` keeps cuBLAS everywhere. With
