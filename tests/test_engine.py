@@ -220,3 +220,15 @@ def test_compiled_steps_trace_whole_and_match_eager():
         compiled_step = Compiled(proposer._step, enabled=True)
         assert all(torch.equal(a, b) for a, b in zip(eager, compiled_step()))
         assert compiled_step.compiled is not None
+
+
+def test_compile_mode_comes_from_the_environment_and_rejects_graph_modes(monkeypatch):
+    from pipeline.engine.graphs import COMPILE_MODE_ENV, Compiled
+    from pipeline.errors import UserError
+
+    monkeypatch.setenv(COMPILE_MODE_ENV, "max-autotune-no-cudagraphs")
+    double = Compiled(lambda x: x * 2, enabled=True)
+    assert torch.equal(double(torch.arange(4.0)), torch.arange(4.0) * 2) and double.compiled is not None
+    monkeypatch.setenv(COMPILE_MODE_ENV, "reduce-overhead")  # inductor's own CUDA graphs inside ours: refused
+    with pytest.raises(UserError, match=COMPILE_MODE_ENV):
+        Compiled(lambda x: x, enabled=True)

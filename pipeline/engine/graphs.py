@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from pipeline.engine.model import KVCache, Transformer, full_slot_context
+from pipeline.errors import UserError
 
 MAX_GRAPH_TOKENS = 256  # trees up to 255 draft tokens (EAGLE-2 deep trees) still replay as graphs
 # Eager runs before capture, on a side stream: they create cuBLAS handles and workspaces, which
@@ -34,6 +35,19 @@ MAX_GRAPH_TOKENS = 256  # trees up to 255 draft tokens (EAGLE-2 deep trees) stil
 # only steady-state blocks.
 CAPTURE_WARMUP_RUNS = 2
 COMPILE_ENV = "SPECPIPE_COMPILE"
+# torch.compile's mode: max-autotune-no-cudagraphs benchmarks kernel configurations (minutes more
+# compilation); unset = inductor's default. The modes that add inductor's own CUDA graphs
+# (reduce-overhead, max-autotune) cannot run inside the engine's captures.
+COMPILE_MODE_ENV = "SPECPIPE_COMPILE_MODE"
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def compile_mode() -> str:
+    mode = os.environ.get(COMPILE_MODE_ENV) or "default"
+    if mode not in COMPILE_MODES:
+        raise UserError(f"{COMPILE_MODE_ENV}={mode}: use one of {', '.join(COMPILE_MODES)} (the engine captures "
+                        "its own CUDA graphs, so modes that add inductor's cannot run inside them)")
+    return mode
 # Every engine in a process compiles the same code objects again (new self, new shapes); the default
 # limit of 8 would silently leave later engines eager.
 DYNAMO_CACHE_LIMIT = 256
@@ -53,7 +67,7 @@ class Compiled:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_LIMIT)
             torch._dynamo.config.accumulated_cache_size_limit = max(
                 torch._dynamo.config.accumulated_cache_size_limit, DYNAMO_CACHE_LIMIT)
-            self.compiled = torch.compile(fn, fullgraph=True)
+            self.compiled = torch.compile(fn, fullgraph=True, mode=compile_mode())
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is not None:
