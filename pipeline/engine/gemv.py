@@ -20,6 +20,8 @@ import os
 import torch
 from torch import nn
 
+from pipeline.engine.model import Linear
+
 GEMV_ENV = "SPECPIPE_GEMV"
 # One configuration for every shape: the probe's best per shape ranged over (2-16 rows, 256-1024
 # columns, 4-8 warps) but within a few percent of this one for the projections that dominate.
@@ -36,8 +38,6 @@ def available() -> bool:
 def attach(model: nn.Module) -> int:
     """Route the single-token products of `model`'s half-precision Linear layers through the kernel;
     returns how many layers now use it (0 when Triton or the environment rules it out)."""
-    from pipeline.engine.model import Linear
-
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.weight.is_cuda
               and m.weight.dtype in HALF_DTYPES]
     if not layers or not available():
