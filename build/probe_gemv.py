@@ -16,7 +16,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from pipeline.engine.gemv_kernel import _gemv_kernel  # noqa: E402
+from pipeline.engine.fused_kernels import _gemv_kernel  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
@@ -27,7 +27,8 @@ SWEEP = list(itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8)))  # rows
 
 def triton_gemv(x, w, y, rows, cols, warps):
     n, k = w.shape
-    _gemv_kernel[(triton.cdiv(n, rows),)](w, x, y, n, k, BLOCK_ROWS=rows, BLOCK_K=cols, num_warps=warps)
+    _gemv_kernel[(triton.cdiv(n, rows),)](w, x, y, x, x, n, k, 0.0, NORM=False, RESIDUAL=False, SWIGLU=False,
+                                          BLOCK_ROWS=rows, BLOCK_K=cols, num_warps=warps)
     return y
 
 

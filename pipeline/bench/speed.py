@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
+from pipeline.engine import fused
 from pipeline.engine.config import EngineLimits, SpecConfig
 from pipeline.engine.graphs import GraphedTarget
 from pipeline.engine.model import ModelConfig, Transformer
@@ -219,9 +220,8 @@ def run_roofline(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
     result: dict[str, Any] = {"shape": cfg.shape, "dtype": str(dtype).removeprefix("torch."),
                               "weight_bytes_per_step": weight_bytes, "bandwidth": bandwidth,
                               "floor_step_ms": 1e3 / floor_tps, "floor_tokens_per_s": floor_tps,
-                              "kv_slots": engine.cache.num_slots,
-                              "single_token_kernel_layers": sum(getattr(m, "gemv", None) is not None
-                                                                for m in model.modules())}
+                              "kv_slots": engine.cache.num_slots, "kernel_layers": fused.attach(model),
+                              "kernels": fused.level() if device.type == "cuda" else "off"}
     with torch.inference_mode():
         tps = decode_rate(engine, prompt, cfg.decode_tokens, cfg.repeats)
         result["decode_tokens_per_s"] = tps
@@ -231,7 +231,16 @@ def run_roofline(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
         result["verify_cost_vs_1"] = {str(k): v / costs[1] for k, v in costs.items()}
         if cfg.profile_tokens:  # which kernels the remaining gap to the floor is spent in
             result["profile"] = profile_request(engine, prompt, cfg.profile_tokens)
-        if engine.graphs is not None:  # what compilation buys: the same graphs of uncompiled kernels
+        if engine.graphs is not None:  # what each kernel level buys: the same compiled graphs, re-captured
+            result["decode_tokens_per_s_by_kernels"] = {result["kernels"]: tps}
+            for kernels in fused.LEVELS:
+                if kernels not in result["decode_tokens_per_s_by_kernels"]:
+                    fused.attach(model, kernels)
+                    engine.graphs = GraphedTarget(model, engine.cache, ())
+                    result["decode_tokens_per_s_by_kernels"][kernels] = decode_rate(
+                        engine, prompt, cfg.decode_tokens // 4, 1)
+            fused.attach(model)
+            # what compilation buys: the same graphs of uncompiled kernels
             engine.graphs = GraphedTarget(model, engine.cache, (), compile=False)
             result["uncompiled_graph_decode_tokens_per_s"] = decode_rate(engine, prompt, cfg.decode_tokens // 4, 1)
             result["uncompiled_graph_verify_ms"] = {str(k): v * 1e3 for k, v in verify_costs(
@@ -532,6 +541,7 @@ def format_table(results: dict[str, Any]) -> str:
                   f"{roof['shape']} {roof['dtype']}: {roof['weight_bytes_per_step'] / GB:.2f} GB/step, floor "
                   f"{roof['floor_step_ms']:.3f} ms = {roof['floor_tokens_per_s']:.1f} tok/s",
                   f"plain decode {roof['decode_tokens_per_s']:.1f} tok/s = {roof['decode_fraction_of_floor']:.1%} of floor"
+                  + "".join(f", {k} kernels {v:.1f}" for k, v in roof.get("decode_tokens_per_s_by_kernels", {}).items())
                   + (f" (graphs without compile {roof['uncompiled_graph_decode_tokens_per_s']:.1f}, eager "
                      f"{roof['eager_decode_tokens_per_s']:.1f})" if "eager_decode_tokens_per_s" in roof else ""),
                   "verify tree: " + "  ".join(f"{k}:{roof['verify_ms'][k]:.3f}ms ({v:.2f}x)"

@@ -174,7 +174,7 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose single-token products may go through gemv.py's kernel (set by gemv.attach on
+    """nn.Linear whose single-token products may go through our GEMV kernel (set by fused.attach on
     CUDA); every other call, and every CPU call, is F.linear."""
 
     gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -196,11 +196,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv(x).split(
-            [self.num_heads * self.head_size, self.num_kv_heads * self.head_size, self.num_kv_heads * self.head_size], -1)
-        q = ctx.rotary(q.view(b, t, self.num_heads, self.head_size), ctx.positions)
-        k = ctx.rotary(k.view(b, t, self.num_kv_heads, self.head_size), ctx.positions)
-        ctx.cache.write(layer, ctx.slots, k, v.view(b, t, self.num_kv_heads, self.head_size))
+        q = self.rotate_and_store(self.qkv(x), ctx, layer)
         keys, values = ctx.cache.read(layer, ctx.attn_len)
         q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
         if q.is_cuda and self.num_kv_heads != self.num_heads and not ctx.is_causal:
@@ -209,6 +205,16 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, is_causal=ctx.is_causal,
                                                  enable_gqa=self.num_kv_heads != self.num_heads)
         return self.dense(out.transpose(1, 2).reshape(b, t, -1))
+
+    def rotate_and_store(self, qkv: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
+        """qkv [B, T, (H + 2 Hkv) D]: rotates q and k, writes k and v to the cache; returns q [B, T, H, D]."""
+        b, t, _ = qkv.shape
+        kv = self.num_kv_heads * self.head_size
+        q, k, v = qkv.split([self.num_heads * self.head_size, kv, kv], -1)
+        q = ctx.rotary(q.view(b, t, self.num_heads, self.head_size), ctx.positions)
+        k = ctx.rotary(k.view(b, t, self.num_kv_heads, self.head_size), ctx.positions)
+        ctx.cache.write(layer, ctx.slots, k, v.view(b, t, self.num_kv_heads, self.head_size))
+        return q
 
 
 def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -242,6 +248,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # fused.single_token_layer when fused.attach routed this layer's single-token steps to the kernels
+    fused: Callable[["DecoderLayer", torch.Tensor, "ForwardContext", int], torch.Tensor] | None = None
+
     def __init__(self, cfg: ModelConfig, input_norm: bool = True):
         super().__init__()
         # EAGLE-1 draft layers skip the input norm: their input is already a fused feature.
@@ -251,6 +260,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
+        if self.fused is not None and x.shape[:-1].numel() == 1:
+            return self.fused(self, x, ctx, layer)
         x = x + self.attention(self.input_layernorm(x), ctx, layer)
         return x + self.mlp(self.post_layernorm(x))
 
@@ -266,6 +277,9 @@ class ForwardContext:
     mask: torch.Tensor | None  # [B, 1, T, attn_len] bool, True = may attend; None with is_causal or all-visible
     is_causal: bool
     rotary: Rotary
+    # [1] on the device, or None = attn_len: no token sees a slot at or past it. A single token
+    # sees exactly the slots below it (every builder here), which the fused decode kernel relies on.
+    limit: torch.Tensor | None = None
 
 
 def attention_mask(prefix_len: int, tree_mask: torch.Tensor, attn_len: int) -> torch.Tensor:
@@ -306,14 +320,16 @@ def full_slot_context(cache: KVCache, rotary: Rotary, length: torch.Tensor, posi
     rel = slot_ids - length
     in_region = (rel >= 0) & (rel < region)
     mask = (rel < 0) | (rows[:, rel.clamp(0, region - 1)] & in_region)  # [T, slots]
-    return ForwardContext(positions[None], slots[None], cache, cache.num_slots, mask[None, None], False, rotary)
+    return ForwardContext(positions[None], slots[None], cache, cache.num_slots, mask[None, None], False, rotary,
+                          (length + region).view(1))
 
 
 def decode_context(cache: KVCache, rotary: Rotary, lengths: torch.Tensor, attn_len: int) -> ForwardContext:
     """One new token per batch row, at slot and position lengths[b]; row b reads slots [0, lengths[b]]."""
     positions = lengths[:, None]
     visible = torch.arange(attn_len, device=lengths.device)[None, :] <= positions
-    return ForwardContext(positions, positions, cache, attn_len, visible[:, None, None, :], False, rotary)
+    return ForwardContext(positions, positions, cache, attn_len, visible[:, None, None, :], False, rotary,
+                          lengths.max().view(1) + 1)
 
 
 class Transformer(nn.Module):

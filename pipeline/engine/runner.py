@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from pipeline.engine import gemv
+from pipeline.engine import fused
 from pipeline.engine.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
 from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
 from pipeline.engine.batcher import Batcher
@@ -50,7 +50,7 @@ class Engine:
         # run a CUDA engine eagerly (the benchmark does, to show what the graphs buy).
         self.graphs: GraphedTarget | None = None
         if self.device.type == "cuda":
-            gemv.attach(target)  # before capture: the graphs record whichever kernel the layers call
+            fused.attach(target)  # before capture: the graphs record whichever kernels the layers call
             self.graphs = GraphedTarget(target, self.cache, self.proposer.capture_layers)
         self.batcher = Batcher(self) if rows > 1 else None
         self._lock = threading.Lock()  # speculative engines: one request at a time

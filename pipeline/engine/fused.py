@@ -1,0 +1,97 @@
+"""Single-token steps on CUDA: our own Triton kernels instead of cuBLAS and a dozen small kernels.
+
+At batch 1 a decode step is one row times every weight matrix, so its speed is how fast those
+matrices stream from memory, plus whatever each layer spends between them. Two levels:
+
+- gemv: every single-token product of a half-precision Linear goes through one GEMV kernel, each
+  program summing BLOCK_ROWS whole rows in float32. build/probe_gemv.py measured the 129 products
+  of one Llama-3-8B token at 3.48 ms with it against 4.04 ms with cuBLAS (H200, 2026-11-30).
+- fused (the default): a decoder layer becomes four GEMVs and one attention. The RMS norms run
+  inside the GEMVs that read them (QKV, gate/up), the residual adds inside the GEMVs that produce
+  them (output and down projections), SiLU-and-multiply inside gate/up, and attention is a
+  flash-decoding kernel that reads only the slots in use. What stays in torch (rotary and the
+  cache write) torch.compile fuses. Layers the kernels do not cover (biases, other activations,
+  no input norm, head sizes that are not a power of two) keep the gemv level.
+
+Trees and prefills stay on cuBLAS and SDPA; CPU models never change. `SPECPIPE_KERNELS` picks the
+level (fused, gemv, off). With TRITON_INTERPRET=1 the kernels run on CPU tensors: the tests do that.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from pipeline.engine.model import DecoderLayer, Linear, RMSNorm
+from pipeline.errors import UserError
+
+if TYPE_CHECKING:
+    from pipeline.engine.model import ForwardContext
+
+KERNELS_ENV = "SPECPIPE_KERNELS"
+LEVELS = ("fused", "gemv", "off")
+# One GEMV configuration for every shape: the probe's best per shape ranged over (2-16 rows,
+# 256-1024 columns, 4-8 warps) but within a few percent of this one for the projections that dominate.
+BLOCK_ROWS = 8
+BLOCK_K = 512
+NUM_WARPS = 4
+# Attention: cache slots per program. A short text uses few programs, a long one spreads over many SMs.
+ATTENTION_BLOCK_SLOTS = 64
+DOT_MIN_ROWS = 16  # tl.dot's smallest tile: a kv head's query group is padded up to it
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def level() -> str:
+    value = os.environ.get(KERNELS_ENV) or "fused"
+    if value not in LEVELS:
+        raise UserError(f"{KERNELS_ENV}={value}: use one of {', '.join(LEVELS)}")
+    return value if importlib.util.find_spec("triton") is not None else "off"
+
+
+def attach(model: nn.Module, kernels: str | None = None, device_types: tuple[str, ...] = ("cuda",)) -> dict[str, int]:
+    """Route `model`'s single-token work through the kernels at `kernels` (default: the environment's
+    level). Returns how many Linear layers use the GEMV and how many decoder layers run fused.
+    Calling it again with another level re-routes (the benchmark compares levels on one model)."""
+    kernels = kernels or level()
+
+    def eligible(lin: Linear) -> bool:
+        return lin.weight.device.type in device_types and lin.weight.dtype in HALF_DTYPES
+
+    linears = [m for m in model.modules() if isinstance(m, Linear) and eligible(m)]
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer) and eligible(m.mlp.proj)]
+    gemv = None
+    if kernels != "off" and linears:
+        from pipeline.engine.fused_kernels import gemv
+    for m in linears:
+        m.gemv = gemv
+    fused = [m for m in layers if kernels == "fused" and fusable(m)]
+    for m in layers:
+        m.fused = single_token_layer if m in fused else None
+    return {"gemv_layers": len(linears) if gemv else 0, "fused_layers": len(fused)}
+
+
+def fusable(layer: DecoderLayer) -> bool:
+    a, mlp = layer.attention, layer.mlp
+    head = a.head_size
+    return (isinstance(layer.input_layernorm, RMSNorm) and mlp.act is torch.nn.functional.silu
+            and all(lin.bias is None for lin in (a.qkv, a.dense, mlp.fc_gate, mlp.proj))
+            and head >= DOT_MIN_ROWS and head & (head - 1) == 0)
+
+
+def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContext", index: int) -> torch.Tensor:
+    """DecoderLayer.forward for one token of one sequence (x [1, 1, H]), in five kernels plus rotary."""
+    from pipeline.engine.fused_kernels import decode_attention, gemv
+
+    a, mlp = layer.attention, layer.mlp
+    h = x.view(-1)
+    qkv = gemv(h, a.qkv.weight, layer.input_layernorm.weight, layer.input_layernorm.eps)
+    q = a.rotate_and_store(qkv.view(1, 1, -1), ctx, index)
+    keys, values = ctx.cache.read(index, ctx.attn_len)
+    out = decode_attention(q.view(a.num_heads, a.head_size), keys[0], values[0], ctx.limit)
+    h = gemv(out.view(-1), a.dense.weight, residual=h)
+    act = gemv(h, mlp.fc_gate.weight, layer.post_layernorm.weight, layer.post_layernorm.eps, swiglu=True)
+    return gemv(act, mlp.proj.weight, residual=h).view_as(x)

@@ -1,0 +1,160 @@
+"""The CUDA single-token kernels (engine/fused_kernels.py), run on CPU tensors by Triton's interpreter."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.engine import fused
+from pipeline.engine.model import Linear, ModelConfig, Transformer
+from pipeline.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHECK = textwrap.dedent("""
+    import os
+    import torch
+    import torch.nn.functional as F
+    from pipeline.engine import fused
+    from pipeline.engine.fused_kernels import decode_attention, gemv
+    from pipeline.engine.model import Linear, ModelConfig, Transformer, full_slot_context, make_context
+
+    torch.manual_seed(0)
+    torch.set_grad_enabled(False)  # the engine never takes gradients; the ops have no backward
+    device = os.environ["CHECK_DEVICE"]  # cpu: under Triton's interpreter
+    torch.set_default_device(device)
+
+    def close(got, want, tol):
+        err = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+        assert err < tol, err
+
+    # GEMV: row counts and widths off the block sizes (8 rows, 512 columns) exercise the masks.
+    for n, k, dtype, tol in ((100, 300, torch.bfloat16, 1e-2), (37, 1030, torch.float16, 1e-3),
+                             (16, 1024, torch.float32, 1e-6)):
+        w, x, r = torch.randn(n, k, dtype=dtype), torch.randn(k, dtype=dtype), torch.randn(n, dtype=dtype)
+        close(gemv(x, w), w.double() @ x.double(), tol)
+        close(gemv(x, w, residual=r), w.double() @ x.double() + r.double(), tol)
+    # The fused prologue and epilogues against the unfused layer's own ops. Looser: the interpreter
+    # truncates each float32 -> bf16 cast where the GPU rounds to nearest, and the norm rounds twice.
+    norm = Transformer(ModelConfig(64, 40, 1, 2, 1, 20, 24, 1e-5, 1e4, None, 64)).layers[0].input_layernorm
+    norm = norm.to(torch.bfloat16)
+    norm.weight.normal_()
+    x, w2 = torch.randn(40, dtype=torch.bfloat16), torch.randn(2 * 24, 40, dtype=torch.bfloat16)
+    close(gemv(x, w2, norm.weight, norm.eps), F.linear(norm(x), w2), 4e-2)
+    gate, up = F.linear(norm(x).double(), w2.double()).chunk(2)  # a product doubles the rounding: against float64
+    close(gemv(x, w2, norm.weight, norm.eps, swiglu=True), F.silu(gate) * up, 6e-2)
+
+    lin = Linear(64, 24, bias=True).to(torch.bfloat16)
+    fused.attach(lin, "gemv", (device,))
+    one, many = torch.randn(1, 1, 64, dtype=torch.bfloat16), torch.randn(1, 3, 64, dtype=torch.bfloat16)
+    close(lin(one), F.linear(one.double(), lin.weight.double(), lin.bias.double()), 2e-2)
+    assert torch.equal(lin(many), F.linear(many, lin.weight, lin.bias))  # trees stay on the library GEMM
+
+    # Attention: a strided cache (slots x kv heads x dims), groups of 3 and 4, one and several slot
+    # blocks, and a limit below the cache's length.
+    for heads, kv_heads, dim, slots, limit in ((6, 2, 16, 40, None), (8, 2, 32, 150, 97), (4, 4, 64, 300, 1)):
+        q = torch.randn(heads, dim, dtype=torch.bfloat16)
+        cache = torch.randn(2, slots, kv_heads, dim, dtype=torch.bfloat16)
+        k, v = cache[0], cache[1]
+        seen = slots if limit is None else limit
+        want = F.scaled_dot_product_attention(q[None, :, None].float(), k[:seen].transpose(0, 1)[None].float(),
+                                              v[:seen].transpose(0, 1)[None].float(), enable_gqa=True)[0, :, 0]
+        got = decode_attention(q, k, v, None if limit is None else torch.tensor([limit]))
+        close(got, want, 2e-2)
+
+    # A whole model: single-token steps fused against the unfused layers, eagerly (limit None)
+    # and the way the CUDA graphs call it (full cache, device limit).
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=6, num_kv_heads=2, head_size=16,
+                      intermediate_size=96, norm_epsilon=1e-5, rope_theta=1e4, rope_scaling=None,
+                      max_position_embeddings=128)
+    model = Transformer(cfg).to(torch.bfloat16)
+    for p in model.parameters():
+        p.normal_(0, 0.3)
+    assert fused.attach(model, "fused", (device,)) == {"gemv_layers": 2 * 4 + 1, "fused_layers": 2}
+    cache = model.new_cache(80)
+    prompt = torch.randint(97, (1, 70), device=device)
+    model(prompt, make_context(cache, model.rotary, 0, torch.arange(70), None))
+    token = torch.tensor([[5]])
+    contexts = {"eager": make_context(cache, model.rotary, 70, torch.tensor([70]), None),
+                "graph": full_slot_context(cache, model.rotary, torch.tensor(70), torch.tensor([70]),
+                                           torch.tensor([70]), torch.ones(1, 1, dtype=torch.bool),
+                                           torch.arange(80))}
+    for name, ctx in contexts.items():
+        got, _ = model(token, ctx)
+        fused.attach(model, "gemv", (device,))
+        want, _ = model(token, ctx)
+        fused.attach(model, "fused", (device,))
+        close(got, want, 3e-2)
+    step = torch.compile(lambda t: model(t, contexts["graph"])[0], fullgraph=True)  # as the engine's graphs trace it
+    close(step(token), want, 3e-2)
+    print("kernels ok")
+""")
+
+
+NO_TRITON = importlib.util.find_spec("triton") is None
+
+
+@pytest.mark.skipif(NO_TRITON, reason="Triton is not installed (make setup installs it)")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_kernels_match_the_unfused_layers(device):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CHECK_DEVICE=device, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {}))
+    run = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "kernels ok" in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.skipif(NO_TRITON or not torch.cuda.is_available(), reason="needs CUDA and Triton")
+def test_every_kernel_level_decodes_the_same_tokens_on_cuda():
+    """Whole engine, compiled graphs: fused, gemv and cuBLAS steps on a bf16 model whose logits have
+    clear winners, so that rounding cannot flip a greedy choice."""
+    from pipeline.bench.speed import _IdsOnly
+    from pipeline.engine.config import EngineLimits, SpecConfig
+    from pipeline.engine.graphs import GraphedTarget
+    from pipeline.engine.runner import Engine
+    from pipeline.engine.sampling import SamplingParams
+
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(tiny_config(), vocab_size=64, num_layers=2, max_position_embeddings=256))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    model = model.to("cuda", torch.bfloat16).eval()
+    engine = Engine(model, _IdsOnly(), EngineLimits(1, 16, 160, 0), SpecConfig())
+    outputs = {}
+    for kernels in fused.LEVELS:
+        counts = fused.attach(model, kernels)
+        assert counts["fused_layers"] == (2 if kernels == "fused" else 0)
+        engine.graphs = GraphedTarget(model, engine.cache, ())
+        outputs[kernels] = engine.generate(list(range(1, 17)), SamplingParams(max_tokens=128, end_id=-1)).token_ids
+    assert outputs["fused"] == outputs["gemv"] == outputs["off"], outputs
+
+
+def tiny_config(**changes) -> ModelConfig:
+    return dataclasses.replace(ModelConfig(
+        vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_size=16, intermediate_size=48,
+        norm_epsilon=1e-5, rope_theta=1e4, rope_scaling=None, max_position_embeddings=64), **changes)
+
+
+def test_attach_leaves_cpu_models_on_the_library_kernels():
+    model = Transformer(tiny_config()).to(torch.bfloat16)
+    assert fused.attach(model, "fused") == {"gemv_layers": 0, "fused_layers": 0}  # CPU weights: nothing to route
+    assert all(m.gemv is None for m in model.modules() if isinstance(m, Linear))
+
+
+def test_only_plain_llama_layers_fuse():
+    assert fused.fusable(Transformer(tiny_config()).layers[0])
+    for changes in ({"qkv_bias": True}, {"mlp_bias": True}, {"hidden_act": "gelu"}, {"head_size": 24}):
+        assert not fused.fusable(Transformer(tiny_config(**changes)).layers[0]), changes
+
+
+def test_a_bad_kernel_level_names_the_variable_and_the_choices(monkeypatch):
+    monkeypatch.setenv(fused.KERNELS_ENV, "gemm")
+    with pytest.raises(UserError, match="SPECPIPE_KERNELS=gemm: use one of fused, gemv, off"):
+        fused.level()
