@@ -161,6 +161,32 @@ def test_concurrent_plain_requests_are_batched_and_exact(tiny_llama_engine):
     assert max(widest) > 1, "the requests never shared a step"
 
 
+def test_running_ahead_changes_only_how_tokens_are_grouped(tiny_llama_engine):
+    """Queuing 5 greedy steps per host read (what CUDA engines do, 8 there) gives the tokens, stop
+    reasons and step counts of one step at a time; a stop inside a group drops the steps after it."""
+    engine = tiny_llama_engine
+    ids = engine.tokenizer(PROMPTS[2]).input_ids
+    free = engine.generate(ids, SamplingParams(max_tokens=23, end_id=-1)).token_ids
+    word = engine.tokenizer.decode(free[:9]).strip()[-3:]
+    requests = [SamplingParams(max_tokens=23, end_id=-1), SamplingParams(max_tokens=23, end_id=free[7]),
+                SamplingParams(max_tokens=23, end_id=-1, stop_words=(word,)), SamplingParams(max_tokens=1, end_id=-1)]
+    seen = {}
+    try:
+        for ahead in (1, 5):
+            engine.run_ahead = ahead
+            for i, params in enumerate(requests):
+                chunks = list(engine.stream(ids, params))
+                result = chunks[-1].result
+                assert [t for c in chunks for t in c.token_ids] == result.token_ids
+                assert max(len(c.token_ids) for c in chunks) <= ahead
+                seen[ahead, i] = (result.token_ids, result.finish_reason, result.stats.steps)
+    finally:
+        engine.run_ahead = 1
+    assert all(seen[1, i] == seen[5, i] for i in range(len(requests))), seen
+    assert seen[5, 1][0] == free[:free.index(free[7]) + 1] and seen[5, 1][1] == "end_id"
+    assert seen[5, 2][1] == "stop" and seen[5, 3][0] == free[:1]
+
+
 def greedy_ids(engine: Engine, text: str, n: int) -> list[int]:
     return engine.generate(engine.tokenizer(text).input_ids, SamplingParams(max_tokens=n, end_id=-1)).token_ids
 

@@ -365,8 +365,13 @@ def profile_request(engine: Engine, ids: list[int], tokens: int) -> dict[str, An
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     params = SamplingParams(max_tokens=tokens, end_id=-1)
+    # Plain engines decode on the batcher's thread, which a default profile does not see.
     try:
-        with torch.inference_mode(), profile(activities=activities) as prof:
+        threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # a torch without the option: host ops of that thread go unlisted
+        threads = None
+    try:
+        with torch.inference_mode(), profile(activities=activities, experimental_config=threads) as prof:
             sync(engine.device)
             start = time.perf_counter()
             result = engine.generate(ids, params)

@@ -4,7 +4,8 @@ Requests join between steps (each prefill runs alone, into a free row of the bat
 leave when they stop; the last active row then moves into the freed one, so active requests always
 hold rows 0..n-1 and a step reads one contiguous slice of the cache. A step with a single active
 request is exactly the single-stream step (same kernels, CUDA graphs included), so batch-1 output
-is unchanged. Speculative engines do not batch: their proposers keep per-request state (draft KV
+is unchanged, and a greedy request alone queues several steps on the device per host read
+(`_run_ahead`). Speculative engines do not batch: their proposers keep per-request state (draft KV
 caches, head inputs), so they serve one request at a time.
 """
 
@@ -98,10 +99,12 @@ class Batcher:
         first = choose(engine.target.logits(target.hidden[-1:]), request.params, request.generator)
         request.length, request.last = len(prompt), int(first)
         self.active.append(request)
-        self._emit([request], [request.last], counts_step=False)
+        self._emit([request], [[request.last]], counts_step=False)
 
     def _step(self) -> None:
         engine, n = self.engine, len(self.active)
+        if n == 1 and self.active[0].params.greedy and not self.pending:
+            return self._run_ahead(self.active[0])
         tokens = torch.tensor([r.last for r in self.active], device=engine.device)
         lengths = torch.tensor([r.length for r in self.active], device=engine.device)
         if n == 1:
@@ -117,15 +120,34 @@ class Batcher:
                 chosen[i] = choose(logits[i:i + 1], r.params, r.generator)[0]
         for r in self.active:
             r.length += 1
-        self._emit(list(self.active), chosen.tolist(), counts_step=True)  # the step's one sync
+        self._emit(list(self.active), [[t] for t in chosen.tolist()], counts_step=True)  # the step's one sync
 
-    def _emit(self, requests: list[_Request], tokens: list[int], counts_step: bool) -> None:
+    def _run_ahead(self, r: _Request) -> None:
+        """A greedy request alone: each step's input is the previous step's argmax, which never has to
+        visit the host, so up to engine.run_ahead steps are queued on the device and read back with
+        one sync. The device then never idles while Python prepares the next step; a stop inside the
+        group discards the steps after it, and a request that arrives waits at most one group."""
+        engine = self.engine
+        steps = min(engine.run_ahead, r.params.max_tokens - len(r.out))
+        positions = torch.arange(r.length, r.length + steps, device=engine.device)
+        token = torch.tensor([r.last], device=engine.device)
+        chosen = []
+        for i in range(steps):
+            hidden = engine.forward(token, r.length + i, positions[i:i + 1], None).hidden
+            token = engine.target.logits(hidden).argmax(-1)
+            chosen.append(token)
+        r.length += steps
+        self._emit([r], [torch.cat(chosen).tolist()], counts_step=True)  # the group's one sync
+
+    def _emit(self, requests: list[_Request], tokens: list[list[int]], counts_step: bool) -> None:
+        """Each request's new tokens, in order, through its stop conditions; one chunk per request."""
         finished = []
-        for r, token in zip(requests, tokens):
+        for r, toks in zip(requests, tokens):
+            new = r.stop.take(r.out, toks)
             if counts_step:
-                r.stats.record(0, 0, 0)
-            r.last = token
-            new = r.stop.take(r.out, [token])
+                for _ in new:
+                    r.stats.record(0, 0, 0)
+            r.last = new[-1]
             if r.cancelled:
                 finished.append(r)
             elif r.stop.reason:

@@ -4,14 +4,16 @@ At batch 1 a decode step is one row times every weight matrix, so its speed is h
 matrices stream from memory, plus whatever each layer spends between them. Two levels:
 
 - gemv: every single-token product of a half-precision Linear goes through one GEMV kernel, each
-  program summing BLOCK_ROWS whole rows in float32. build/probe_gemv.py measured the 129 products
-  of one Llama-3-8B token at 3.48 ms with it against 4.04 ms with cuBLAS (H200, 2026-11-30).
+  program summing BLOCK_ROWS whole rows in float32. On an H200, with a new matrix each call as in a
+  real step (build/probe_gemv.py), it reads the Llama-3-8B projections at 3.1-4.3 TB/s; the 129
+  products of one token took 3.48 ms against cuBLAS's 4.04 ms in an earlier probe that reused them.
 - fused (the default): a decoder layer becomes four GEMVs and one attention. The RMS norms run
   inside the GEMVs that read them (QKV, gate/up), the residual adds inside the GEMVs that produce
-  them (output and down projections), SiLU-and-multiply inside gate/up, and attention is a
-  flash-decoding kernel that reads only the slots in use. What stays in torch (rotary and the
-  cache write) torch.compile fuses. Layers the kernels do not cover (biases, other activations,
-  no input norm, head sizes that are not a power of two) keep the gemv level.
+  them (output and down projections), and attention is a flash-decoding kernel that reads only the
+  slots in use. What stays in torch (rotary, the cache write, SiLU-and-multiply) torch.compile
+  fuses: SiLU inside gate/up made each program read two distant row blocks, 7-11 us a layer slower.
+  Layers the kernels do not cover (biases, other activations, no input norm, head sizes that are not
+  a power of two) keep the gemv level.
 
 Trees and prefills stay on cuBLAS and SDPA; CPU models never change. `SPECPIPE_KERNELS` picks the
 level (fused, gemv, off). With TRITON_INTERPRET=1 the kernels run on CPU tensors: the tests do that.
@@ -34,10 +36,11 @@ if TYPE_CHECKING:
 
 KERNELS_ENV = "SPECPIPE_KERNELS"
 LEVELS = ("fused", "gemv", "off")
-# One GEMV configuration for every shape: the probe's best per shape ranged over (2-16 rows,
-# 256-1024 columns, 4-8 warps) but within a few percent of this one for the projections that dominate.
-BLOCK_ROWS = 8
-BLOCK_K = 512
+# One GEMV configuration for every shape: the best or within 3% of it for every 8B projection in the
+# probe when each call reads a matrix that is not in L2 (8 rows x 512 columns, chosen on a probe that
+# repeated one matrix, was 10-55% slower that way).
+BLOCK_ROWS = 2
+BLOCK_K = 1024
 NUM_WARPS = 4
 # Attention: cache slots per program. A short text uses few programs, a long one spreads over many SMs.
 ATTENTION_BLOCK_SLOTS = 64
@@ -83,7 +86,8 @@ def fusable(layer: DecoderLayer) -> bool:
 
 
 def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContext", index: int) -> torch.Tensor:
-    """DecoderLayer.forward for one token of one sequence (x [1, 1, H]), in five kernels plus rotary."""
+    """DecoderLayer.forward for one token of one sequence (x [1, 1, H]): four GEMVs and the two attention
+    kernels, plus what inductor makes of rotary, the cache write and SiLU-and-multiply."""
     from pipeline.engine.fused_kernels import decode_attention, gemv
 
     a, mlp = layer.attention, layer.mlp
@@ -93,5 +97,5 @@ def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContex
     keys, values = ctx.cache.read(index, ctx.attn_len)
     out = decode_attention(q.view(a.num_heads, a.head_size), keys[0], values[0], ctx.limit)
     h = gemv(out.view(-1), a.dense.weight, residual=h)
-    act = gemv(h, mlp.fc_gate.weight, layer.post_layernorm.weight, layer.post_layernorm.eps, swiglu=True)
-    return gemv(act, mlp.proj.weight, residual=h).view_as(x)
+    fc, gate = gemv(h, mlp.fc_gate.weight, layer.post_layernorm.weight, layer.post_layernorm.eps).chunk(2)
+    return gemv(mlp.act(fc) * gate, mlp.proj.weight, residual=h).view_as(x)

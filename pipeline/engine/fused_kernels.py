@@ -16,13 +16,12 @@ from pipeline.engine.fused import ATTENTION_BLOCK_SLOTS, BLOCK_K, BLOCK_ROWS, DO
 
 @triton.jit
 def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-                 BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[n] = W[n, k] x, each program summing BLOCK_ROWS whole rows in float32.
 
     NORM: x is first RMS-normalised and scaled by norm_ptr (every program recomputes the scale from
     the whole of x: k values from L2, against BLOCK_ROWS * k weights from memory).
-    SWIGLU: W holds 2n rows, [act; up]; y = silu(W[:n] x) * W[n:] x.  RESIDUAL: y += res.
+    RESIDUAL: y += res.
     """
     dtype = y_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -35,7 +34,6 @@ def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps,
             squares += xs * xs
         scale = tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
     acc = tl.zeros((BLOCK_ROWS, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_ROWS, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         inside = cols < k
@@ -46,13 +44,7 @@ def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps,
         wmask = (rows[:, None] < n) & inside[None, :]
         w = tl.load(w_ptr + rows[:, None] * k + cols[None, :], mask=wmask, other=0.0)
         acc += w.to(tl.float32) * x[None, :]
-        if SWIGLU:
-            up = tl.load(w_ptr + (rows[:, None] + n) * k + cols[None, :], mask=wmask, other=0.0)
-            acc_up += up.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, axis=1).to(dtype).to(tl.float32)
-    if SWIGLU:
-        up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
-        y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * up
+    y = tl.sum(acc, axis=1)
     if RESIDUAL:
         y = y.to(dtype).to(tl.float32) + tl.load(res_ptr + rows, mask=rows < n, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(dtype), mask=rows < n)
@@ -60,22 +52,21 @@ def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps,
 
 @torch.library.custom_op("specpipe::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
-         residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
-    """x [K] times w [N, K] (row-major) -> [N] in x's dtype (N = rows / 2 with swiglu), see _gemv_kernel."""
+         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [K] times w [N, K] (row-major) -> [N] in x's dtype, see _gemv_kernel."""
     x, w = x.contiguous(), w.contiguous()
-    n, k = w.shape[0] // (2 if swiglu else 1), w.shape[1]
+    n, k = w.shape
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, BLOCK_ROWS),)](
         w, x, y, x if norm is None else norm.contiguous(), x if residual is None else residual.contiguous(),
-        n, k, eps, NORM=norm is not None, RESIDUAL=residual is not None, SWIGLU=swiglu,
-        BLOCK_ROWS=BLOCK_ROWS, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+        n, k, eps, NORM=norm is not None, RESIDUAL=residual is not None, BLOCK_ROWS=BLOCK_ROWS, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     return y
 
 
 @gemv.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
-      residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
-    return x.new_empty(w.shape[0] // (2 if swiglu else 1))
+      residual: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty(w.shape[0])
 
 
 @triton.jit

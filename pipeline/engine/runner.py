@@ -28,7 +28,10 @@ from pipeline.engine.stats import SpecStats
 from pipeline.engine.tree import DraftTree
 
 WARMUP_PROMPT_TOKENS = 8
-WARMUP_NEW_TOKENS = 8  # a few steps: the first step of each graph size compiles and captures it
+WARMUP_NEW_TOKENS = 8
+# Greedy plain steps queued between host reads on CUDA: streaming then arrives in groups of this many
+# tokens, and a stop costs at most this many wasted steps.
+RUN_AHEAD_STEPS = 8  # a few steps: the first step of each graph size compiles and captures it
 
 __all__ = ["Engine", "GenerationResult", "RequestError", "SamplingParams", "StreamChunk", "SpecStats"]
 
@@ -52,7 +55,10 @@ class Engine:
         if self.device.type == "cuda":
             fused.attach(target)  # before capture: the graphs record whichever kernels the layers call
             self.graphs = GraphedTarget(target, self.cache, self.proposer.capture_layers)
-        self.batcher = Batcher(self) if rows > 1 else None
+        # Plain engines decode in the batcher (batch 1 included); the device runs ahead of the host
+        # by this many greedy steps (1 on the CPU, where the host is the device anyway).
+        self.run_ahead = RUN_AHEAD_STEPS if self.device.type == "cuda" else 1
+        self.batcher = Batcher(self) if isinstance(self.proposer, PlainProposer) else None
         self._lock = threading.Lock()  # speculative engines: one request at a time
 
     @classmethod
