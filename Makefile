@@ -10,6 +10,8 @@ DTYPE ?= float32
 DRAFT ?= eagle:drafts/smollm2-eagle
 EAGLE_CONVERT_FLAGS ?= --num-eagle-layers 6
 EAGLE_BUILD_FLAGS ?= --dynamic-tree --dynamic-top-k 8 --dynamic-depth 6 --max-draft-len 48
+# EAGLE-3: the dynamic tree that measured best on the H200 (BENCHMARKS.md §2, `eagle3-deep`: 63 nodes)
+EAGLE3_BUILD_FLAGS ?= --dynamic-tree --dynamic-depth 7 --dynamic-top-k 10
 ENGINES := engines
 STAMP := $(VENV)/.installed
 
@@ -46,7 +48,7 @@ build-engines: setup
 	  "") ;; \
 	  medusa) conv=(--medusa "$$arg"); suffix=-medusa ;; \
 	  eagle) conv=(--eagle "$$arg" $(EAGLE_CONVERT_FLAGS)); build=($(EAGLE_BUILD_FLAGS)); suffix=-eagle ;; \
-	  eagle3) conv=(--eagle3 "$$arg"); suffix=-eagle3 ;; \
+	  eagle3) conv=(--eagle3 "$$arg"); build=($(EAGLE3_BUILD_FLAGS)); suffix=-eagle3 ;; \
 	  draft-model) conv=(--draft-model "$$arg"); suffix=-draft ;; \
 	  ngram) build=(--speculative ngram $${arg:+--ngram-k "$$arg"}); suffix=-ngram ;; \
 	  *) echo "DRAFT=$(DRAFT): unknown; use medusa:PATH, eagle:PATH, eagle3:PATH, draft-model:PATH, ngram or ngram:K" >&2; exit 2 ;; \
