@@ -44,3 +44,8 @@ def test_smollm2_suite_matches_plain_for_every_method(tmp_path):
 def test_unknown_method_is_one_clear_error():
     with pytest.raises(UserError, match="--methods eagle4"):
         BenchConfig(methods=("eagle4",))
+
+
+def test_unknown_engine_dtype_names_the_choices():
+    with pytest.raises(UserError, match="--dtype int8: choose one of float32, bfloat16, float16"):
+        BenchConfig(dtype="int8")

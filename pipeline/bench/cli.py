@@ -66,7 +66,7 @@ def run_compare_command(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from pipeline.bench.speed import METHODS, SHAPES, SUITES, BenchConfig
+    from pipeline.bench.speed import METHODS, SHAPES, SMOLLM2_DTYPES, SUITES, BenchConfig
 
     d = BenchConfig()
     p = sub.add_parser("bench", help="engine speed: bandwidth floor, 8B-shape decode, SmolLM2 drafts on MT-bench; "
@@ -86,6 +86,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-prompts", type=int, default=d.hf_prompts, help="prompts for the Hugging Face peers (0 = skip)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--budget-s", type=float, default=d.budget_s, help="per method: no new prompt after this many seconds")
+    p.add_argument("--dtype", default=d.dtype, choices=SMOLLM2_DTYPES,
+                   help="SmolLM2 engine weights (the Hugging Face peers stay float32)")
     p.add_argument("--profile-tokens", type=int, default=d.profile_tokens,
                    help="after timing, profile one request of this many tokens per smollm2 method and "
                         "one plain decode of the roofline model (0 = off)")
@@ -101,7 +103,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                       bandwidth_bytes=args.bandwidth_mib * 2**20, decode_tokens=args.decode_tokens,
                       repeats=args.repeats, target=args.target, drafts=args.drafts, work_dir=args.work_dir,
                       methods=args.methods, num_prompts=args.num_prompts, hf_prompts=args.hf_prompts,
-                      profile_tokens=args.profile_tokens,
+                      profile_tokens=args.profile_tokens, dtype=args.dtype,
                       max_tokens=args.max_tokens, budget_s=args.budget_s)
     print(f"wrote {run_bench(cfg)}")
     return 0

@@ -41,6 +41,7 @@ from pipeline.engine.tree import MC_SIM_7B_63, build_tree
 from pipeline.errors import UserError
 
 SUITES = ("roofline", "smollm2", "coldstart")
+SMOLLM2_DTYPES = ("float32", "bfloat16", "float16")
 SEED = 0
 
 LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -78,6 +79,7 @@ class BenchConfig:
     budget_s: float = 0.0  # per method: stop starting new prompts after this many seconds (0 = no limit)
     lookup_tokens: int = 10  # Hugging Face prompt_lookup_num_tokens
     profile_tokens: int = 0  # one profiled request of this many tokens per engine after timing (0 = off)
+    dtype: str = "float32"  # the SmolLM2 engines' weights; bfloat16 puts single tokens on the fused kernels
 
     def __post_init__(self) -> None:
         bad = [s for s in self.suites if s not in SUITES]
@@ -85,6 +87,8 @@ class BenchConfig:
             raise UserError(f"--suites {','.join(bad)}: unknown; choose from {', '.join(SUITES)}")
         if self.shape not in SHAPES:
             raise UserError(f"--shape {self.shape!r}: choose one of {', '.join(SHAPES)}")
+        if self.dtype not in SMOLLM2_DTYPES:
+            raise UserError(f"--dtype {self.dtype}: choose one of {', '.join(SMOLLM2_DTYPES)}")
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise UserError(f"--methods {','.join(unknown)}: unknown; choose from {', '.join(METHODS)}")
@@ -311,11 +315,11 @@ def build_engines(cfg: BenchConfig, source: Any, names: list[str]) -> dict[str, 
         key = method.checkpoint_key()
         if key not in checkpoints:
             draft = {method.draft: str(cfg.drafts / method.draft_dir)} if method.draft else {}
-            checkpoints[key] = convert(source, cfg.work_dir / f"ckpt-{key}", dtype="float32",
+            checkpoints[key] = convert(source, cfg.work_dir / f"ckpt-{key}-{cfg.dtype}", dtype=cfg.dtype,
                                        drafts=DraftInputs(**draft, **method.convert))
         opts = BuildOptions(max_batch_size=1, max_input_len=BENCH_MAX_INPUT_LEN, max_seq_len=BENCH_MAX_SEQ_LEN,
                             **method.build)
-        engines[name] = build_engine(checkpoints[key], cfg.work_dir / f"engine-{name}", "portable", opts)
+        engines[name] = build_engine(checkpoints[key], cfg.work_dir / f"engine-{name}-{cfg.dtype}", "portable", opts)
     return engines
 
 
@@ -458,7 +462,8 @@ def run_smollm2(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
         r.update(agreement(r["outputs"], plain["outputs"]))
         r["outputs"] = [o[:cfg.max_tokens] for o in r["outputs"]]
     return {"prompt_set": "MT-bench first turns (chat template)", "num_prompts_requested": cfg.num_prompts,
-            "max_tokens": cfg.max_tokens, "dtype": "float32", "greedy": True, "methods": results}
+            "max_tokens": cfg.max_tokens, "dtype": cfg.dtype, "hf_dtype": "float32", "greedy": True,
+            "methods": results}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -510,10 +515,12 @@ def run_bench(cfg: BenchConfig) -> Path:
     if "smollm2" in cfg.suites:
         results["smollm2"] = run_smollm2(cfg, device)
     if "coldstart" in cfg.suites:
-        names = [n for n in ("plain", "eagle-dynamic") if (cfg.work_dir / f"engine-{n}").is_dir()]
-        if not names:
-            raise UserError(f"--suites coldstart: no engines in {cfg.work_dir}; run the smollm2 suite first")
-        results["coldstart"] = run_coldstart(cfg, device, {n: cfg.work_dir / f"engine-{n}" for n in names})
+        built = {n: cfg.work_dir / f"engine-{n}-{cfg.dtype}" for n in ("plain", "eagle-dynamic")}
+        built = {n: path for n, path in built.items() if path.is_dir()}
+        if not built:
+            raise UserError(f"--suites coldstart: no {cfg.dtype} engines in {cfg.work_dir}; run the smollm2 suite "
+                            "first (same --work-dir and --dtype)")
+        results["coldstart"] = run_coldstart(cfg, device, built)
     path = cfg.output / f"results-{device_tag(device)}.json"
     save_json(path, results)
     print(format_table(results))
