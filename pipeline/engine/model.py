@@ -328,8 +328,7 @@ def decode_context(cache: KVCache, rotary: Rotary, lengths: torch.Tensor, attn_l
     """One new token per batch row, at slot and position lengths[b]; row b reads slots [0, lengths[b]]."""
     positions = lengths[:, None]
     visible = torch.arange(attn_len, device=lengths.device)[None, :] <= positions
-    return ForwardContext(positions, positions, cache, attn_len, visible[:, None, None, :], False, rotary,
-                          lengths.max().view(1) + 1)
+    return ForwardContext(positions, positions, cache, attn_len, visible[:, None, None, :], False, rotary)
 
 
 class Transformer(nn.Module):
