@@ -26,7 +26,7 @@ from pipeline.engine.fused_kernels import _gemv_kernel  # noqa: E402
 SHAPES = {"qkv": (6144, 4096, 32, "norm"), "o": (4096, 4096, 32, "residual"),
           "gate_up": (28672, 4096, 32, "norm"), "down": (4096, 14336, 32, "residual"),
           "lm_head": (128256, 4096, 1, "plain")}
-SWEEP = ((2, 1024, 4), (4, 512, 4), (8, 512, 4), (4, 1024, 8), (16, 256, 4))  # rows, columns, warps
+SWEEP = ((2, 1024, 4), (4, 1024, 4), (2, 2048, 8), (1, 1024, 4), (4, 512, 4))  # rows, columns, warps
 COPIES = 6
 REPS = 4 * COPIES
 EPS = 1e-5

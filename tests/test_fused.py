@@ -56,16 +56,17 @@ CHECK = textwrap.dedent("""
     close(lin(one), F.linear(one.double(), lin.weight.double(), lin.bias.double()), 2e-2)
     assert torch.equal(lin(many), F.linear(many, lin.weight, lin.bias))  # trees stay on the library GEMM
 
-    # Attention: a strided cache (slots x kv heads x dims), groups of 3 and 4, one and several slot
-    # blocks, and a limit below the cache's length.
-    for heads, kv_heads, dim, slots, limit in ((6, 2, 16, 40, None), (8, 2, 32, 150, 97), (4, 4, 64, 300, 1)):
+    # Attention: a strided cache (slots x kv heads x dims), groups of 3, 4 and 1, spans of one chunk
+    # and of several, and a token slot below the cache's length.
+    for heads, kv_heads, dim, slots, limit in ((6, 2, 16, 40, None), (8, 2, 32, 150, 97), (4, 4, 64, 300, 1),
+                                               (6, 2, 16, 1100, 1043)):
         q = torch.randn(heads, dim, dtype=torch.bfloat16)
         cache = torch.randn(2, slots, kv_heads, dim, dtype=torch.bfloat16)
         k, v = cache[0], cache[1]
         seen = slots if limit is None else limit
         want = F.scaled_dot_product_attention(q[None, :, None].float(), k[:seen].transpose(0, 1)[None].float(),
                                               v[:seen].transpose(0, 1)[None].float(), enable_gqa=True)[0, :, 0]
-        got = decode_attention(q, k, v, None if limit is None else torch.tensor([limit]))
+        got = decode_attention(q, k, v, None if limit is None else torch.tensor([limit - 1]))
         close(got, want, 2e-2)
 
     # A whole model: single-token steps fused against the unfused layers, eagerly (limit None)
@@ -87,10 +88,13 @@ CHECK = textwrap.dedent("""
                                            torch.arange(80))}
     for name, ctx in contexts.items():
         got, _ = model(token, ctx)
+        written = cache.k[:, 0, 70].clone(), cache.v[:, 0, 70].clone()  # the fused rotary's cache write
         fused.attach(model, "gemv", (device,))
         want, _ = model(token, ctx)
         fused.attach(model, "fused", (device,))
         close(got, want, 3e-2)
+        close(written[0], cache.k[:, 0, 70], 3e-2)
+        close(written[1], cache.v[:, 0, 70], 3e-2)
     step = torch.compile(lambda t: model(t, contexts["graph"])[0], fullgraph=True)  # as the engine's graphs trace it
     close(step(token), want, 3e-2)
     print("kernels ok")

@@ -134,7 +134,7 @@ class Batcher:
         chosen = []
         for i in range(steps):
             hidden = engine.forward(token, r.length + i, positions[i:i + 1], None).hidden
-            token = engine.target.logits(hidden).argmax(-1)
+            token = engine.greedy(hidden)
             chosen.append(token)
         r.length += steps
         self._emit([r], [torch.cat(chosen).tolist()], counts_step=True)  # the group's one sync

@@ -42,9 +42,11 @@ LEVELS = ("fused", "gemv", "off")
 BLOCK_ROWS = 2
 BLOCK_K = 1024
 NUM_WARPS = 4
-# Attention: cache slots per program. A short text uses few programs, a long one spreads over many SMs.
-ATTENTION_BLOCK_SLOTS = 64
-DOT_MIN_ROWS = 16  # tl.dot's smallest tile: a kv head's query group is padded up to it
+# Attention: each program walks a span of cache slots ATTENTION_CHUNK_SLOTS at a time; spans are
+# one chunk until the cache has more chunks than ATTENTION_MAX_SPLITS, so a short text already runs
+# on many SMs, and the merge of the spans' partial softmaxes stays one small tile per head.
+ATTENTION_CHUNK_SLOTS = 16
+ATTENTION_MAX_SPLITS = 64
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -82,20 +84,22 @@ def fusable(layer: DecoderLayer) -> bool:
     head = a.head_size
     return (isinstance(layer.input_layernorm, RMSNorm) and mlp.act is torch.nn.functional.silu
             and all(lin.bias is None for lin in (a.qkv, a.dense, mlp.fc_gate, mlp.proj))
-            and head >= DOT_MIN_ROWS and head & (head - 1) == 0)
+            and head & (head - 1) == 0)
 
 
 def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContext", index: int) -> torch.Tensor:
-    """DecoderLayer.forward for one token of one sequence (x [1, 1, H]): four GEMVs and the two attention
-    kernels, plus what inductor makes of rotary, the cache write and SiLU-and-multiply."""
-    from pipeline.engine.fused_kernels import decode_attention, gemv
+    """DecoderLayer.forward for one token of one sequence (x [1, 1, H]): four GEMVs, rotary with the
+    cache write, the two attention kernels, and what inductor makes of SiLU-and-multiply."""
+    from pipeline.engine.fused_kernels import decode_attention, gemv, rope_store
 
     a, mlp = layer.attention, layer.mlp
     h = x.view(-1)
     qkv = gemv(h, a.qkv.weight, layer.input_layernorm.weight, layer.input_layernorm.eps)
-    q = a.rotate_and_store(qkv.view(1, 1, -1), ctx, index)
+    q = rope_store(qkv, ctx.rotary.cos, ctx.rotary.sin, ctx.positions.view(-1), ctx.slots.view(-1),
+                   ctx.cache.k, ctx.cache.v, index, a.num_heads)
     keys, values = ctx.cache.read(index, ctx.attn_len)
-    out = decode_attention(q.view(a.num_heads, a.head_size), keys[0], values[0], ctx.limit)
+    out = decode_attention(q.view(a.num_heads, a.head_size), keys[0], values[0],
+                           ctx.slots.view(-1))
     h = gemv(out.view(-1), a.dense.weight, residual=h)
     fc, gate = gemv(h, mlp.fc_gate.weight, layer.post_layernorm.weight, layer.post_layernorm.eps).chunk(2)
     return gemv(mlp.act(fc) * gate, mlp.proj.weight, residual=h).view_as(x)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pipeline.engine.fused import ATTENTION_BLOCK_SLOTS, BLOCK_K, BLOCK_ROWS, DOT_MIN_ROWS, NUM_WARPS
+from pipeline.engine.fused import ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_SPLITS, BLOCK_K, BLOCK_ROWS, NUM_WARPS
 
 
 @triton.jit
@@ -25,6 +25,7 @@ def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps,
     """
     dtype = y_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    live = rows < n
     scale = 1.0
     if NORM:
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -41,13 +42,12 @@ def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps,
         if NORM:
             g = tl.load(norm_ptr + cols, mask=inside, other=0.0).to(tl.float32)
             x = (g * (x * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        wmask = (rows[:, None] < n) & inside[None, :]
-        w = tl.load(w_ptr + rows[:, None] * k + cols[None, :], mask=wmask, other=0.0)
+        w = tl.load(w_ptr + rows[:, None] * k + cols[None, :], mask=live[:, None] & inside[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if RESIDUAL:
-        y = y.to(dtype).to(tl.float32) + tl.load(res_ptr + rows, mask=rows < n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, y.to(dtype), mask=rows < n)
+        y = y.to(dtype).to(tl.float32) + tl.load(res_ptr + rows, mask=live, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(dtype), mask=live)
 
 
 @torch.library.custom_op("specpipe::gemv", mutates_args=())
@@ -70,45 +70,101 @@ def _(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None, eps: f
 
 
 @triton.jit
-def _attention_split_kernel(q_ptr, k_ptr, v_ptr, limit_ptr, m_ptr, l_ptr, o_ptr, num_slots, sm_scale,
-                            stride_slot, stride_head, num_splits,
+def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
+                       layer_offset, stride_slot, stride_head,
+                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD: tl.constexpr):
+    """One head of a token's QKV row: q and k heads rotated (rotate-half RoPE, the unfused layer's
+    roundings), q heads written to q_ptr, k and v heads to the cache at the token's slot."""
+    head = tl.program_id(0)
+    dtype = q_ptr.dtype.element_ty
+    dims = tl.arange(0, HEAD)
+    x = tl.load(qkv_ptr + head * HEAD + dims).to(tl.float32)
+    if head < HEADS + KV_HEADS:
+        pos = tl.load(pos_ptr)
+        partner = tl.load(qkv_ptr + head * HEAD + (dims + HEAD // 2) % HEAD).to(tl.float32)
+        rotated = tl.where(dims < HEAD // 2, -partner, partner)
+        cos = tl.load(cos_ptr + pos * HEAD + dims).to(dtype).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * HEAD + dims).to(dtype).to(tl.float32)
+        x = (x * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)
+    if head < HEADS:
+        tl.store(q_ptr + head * HEAD + dims, x.to(dtype))
+    else:
+        slot = tl.load(slot_ptr)
+        if head < HEADS + KV_HEADS:
+            tl.store(k_ptr + layer_offset + slot * stride_slot + (head - HEADS) * stride_head + dims, x.to(dtype))
+        else:
+            tl.store(v_ptr + layer_offset + slot * stride_slot + (head - HEADS - KV_HEADS) * stride_head + dims,
+                     x.to(dtype))
+
+
+@torch.library.custom_op("specpipe::rope_store", mutates_args=("k_cache", "v_cache"))
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor, slot: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, heads: int) -> torch.Tensor:
+    """One token's qkv [(H + 2 Hkv) D] -> rotated q [H D]; rotated k and v land in batch row 0 of
+    k_cache, v_cache [layers, rows, slots, Hkv, D] at layer `layer`, slot slot[0], RoPE position position[0]."""
+    kv_heads, head = k_cache.shape[-2], k_cache.shape[-1]
+    assert k_cache.stride() == v_cache.stride() and cos.is_contiguous() and sin.is_contiguous()
+    q = qkv.new_empty(heads * head)
+    _rope_store_kernel[(heads + 2 * kv_heads,)](
+        qkv.contiguous(), cos, sin, position, slot, q, k_cache, v_cache, layer * k_cache.stride(0),
+        k_cache.stride(2), k_cache.stride(3), HEADS=heads, KV_HEADS=kv_heads, HEAD=head)
+    return q
+
+
+@rope_store.register_fake
+def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor, slot: torch.Tensor,
+      k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, heads: int) -> torch.Tensor:
+    return qkv.new_empty(heads * k_cache.shape[-1])
+
+
+@triton.jit
+def _attention_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, m_ptr, l_ptr, o_ptr, num_slots, sm_scale,
+                            stride_slot, stride_head, num_splits, span,
                             GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD: tl.constexpr,
-                            BLOCK_SLOTS: tl.constexpr, HAS_LIMIT: tl.constexpr):
-    """One kv head's query group over one block of cache slots: the block's softmax max, sum and
-    unnormalised output per query head (flash-decoding's first half). Slots at or past the limit
-    are masked, so their loads never touch memory: a step costs the text's length, not the cache's."""
+                            CHUNK: tl.constexpr, HAS_SLOT: tl.constexpr):
+    """One kv head's query group over one span of cache slots, CHUNK slots at a time with a running
+    softmax: the span's max, sum and unnormalised output per query head (flash-decoding's first
+    half). Only slots up to the token's own are read: a step costs the text's length, not the cache's.
+    Products and sums are float32 on CUDA cores: a decode step's attention is a few MFLOP, and a
+    group of a few query heads would fill a sixteen-row tensor-core tile mostly with padding."""
     kv_head, split = tl.program_id(0), tl.program_id(1)
     group = tl.arange(0, GROUP_ROWS)
     dims = tl.arange(0, HEAD)
     heads = kv_head * GROUP + group
-    q = tl.load(q_ptr + heads[:, None] * HEAD + dims[None, :], mask=(group < GROUP)[:, None], other=0.0).to(tl.float32)
-    slots = split * BLOCK_SLOTS + tl.arange(0, BLOCK_SLOTS)
-    bound = num_slots
-    if HAS_LIMIT:
-        bound = tl.minimum(tl.load(limit_ptr), num_slots)
-    visible = slots < bound
-    offsets = slots[:, None] * stride_slot + kv_head * stride_head + dims[None, :]
-    keys = tl.load(k_ptr + offsets, mask=visible[:, None], other=0.0).to(tl.float32)
-    # float32 products on CUDA cores: a decode step's attention is a few MFLOP, and the weights
-    # stay exact (Triton's interpreter, which the tests use, also mis-multiplies bf16 dots).
-    scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * sm_scale  # [GROUP_ROWS, BLOCK_SLOTS]
-    scores = tl.where(visible[None, :], scores, float("-inf"))
-    peak = tl.max(scores, axis=1)
-    safe_peak = tl.where(peak == float("-inf"), 0.0, peak)  # a block past the text: zero weight, no NaN
-    p = tl.exp(scores - safe_peak[:, None])
-    values = tl.load(v_ptr + offsets, mask=visible[:, None], other=0.0).to(tl.float32)
-    out = tl.dot(p, values, input_precision="ieee")  # [GROUP_ROWS, HEAD]
-    rows = heads * num_splits + split
     live = group < GROUP
+    q = tl.load(q_ptr + heads[:, None] * HEAD + dims[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    bound = num_slots
+    if HAS_SLOT:
+        bound = tl.minimum(tl.load(slot_ptr) + 1, num_slots)
+    start = split * span
+    stop = tl.minimum(start + span, bound)
+    peak = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
+    total = tl.zeros((GROUP_ROWS,), tl.float32)
+    acc = tl.zeros((GROUP_ROWS, HEAD), tl.float32)
+    for c0 in range(start, stop, CHUNK):
+        slots = c0 + tl.arange(0, CHUNK)
+        visible = slots < stop
+        offsets = slots[:, None] * stride_slot + kv_head * stride_head + dims[None, :]
+        keys = tl.load(k_ptr + offsets, mask=visible[:, None], other=0.0).to(tl.float32)
+        values = tl.load(v_ptr + offsets, mask=visible[:, None], other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * sm_scale  # [GROUP_ROWS, CHUNK]
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        top = tl.maximum(peak, tl.max(scores, axis=1))  # finite: every chunk has a visible slot
+        rescale = tl.exp(peak - top)
+        p = tl.exp(scores - top[:, None])
+        total = total * rescale + tl.sum(p, axis=1)
+        acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
+        peak = top
+    rows = heads * num_splits + split
     tl.store(m_ptr + rows, peak, mask=live)
-    tl.store(l_ptr + rows, tl.sum(p, axis=1), mask=live)
-    tl.store(o_ptr + rows[:, None] * HEAD + dims[None, :], out, mask=live[:, None])
+    tl.store(l_ptr + rows, total, mask=live)
+    tl.store(o_ptr + rows[:, None] * HEAD + dims[None, :], acc, mask=live[:, None])
 
 
 @triton.jit
 def _attention_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, num_splits,
                             HEAD: tl.constexpr, SPLIT_ROWS: tl.constexpr):
-    """One query head: the blocks' partial softmaxes rescaled to a common max and summed."""
+    """One query head: the spans' partial softmaxes rescaled to a common max and summed."""
     head = tl.program_id(0)
     splits = tl.arange(0, SPLIT_ROWS)
     dims = tl.arange(0, HEAD)
@@ -124,20 +180,23 @@ def _attention_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, num_splits,
 
 
 @torch.library.custom_op("specpipe::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor | None) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
     """One token's heads q [H, D] over cache slots k, v [S, Hkv, D] (slot rows may be strided):
-    softmax(q k^T / sqrt(D)) v over slots [0, min(limit, S)) -> [H, D] in q's dtype."""
+    softmax(q k^T / sqrt(D)) v over the slots up to the token's own, slot[0] (None: all S) -> [H, D]
+    in q's dtype."""
     heads, head = q.shape
     slots, kv_heads = k.shape[0], k.shape[1]
     group = heads // kv_heads
-    splits = triton.cdiv(slots, ATTENTION_BLOCK_SLOTS)
+    chunks = triton.cdiv(slots, ATTENTION_CHUNK_SLOTS)
+    span = ATTENTION_CHUNK_SLOTS * triton.cdiv(chunks, ATTENTION_MAX_SPLITS)
+    splits = triton.cdiv(slots, span)
     m = torch.empty(heads * splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     o = torch.empty(heads * splits, head, dtype=torch.float32, device=q.device)
     _attention_split_kernel[(kv_heads, splits)](
-        q.contiguous(), k, v, k if limit is None else limit, m, l, o, slots, head ** -0.5,
-        k.stride(0), k.stride(1), splits, GROUP=group, GROUP_ROWS=max(DOT_MIN_ROWS, triton.next_power_of_2(group)),
-        HEAD=head, BLOCK_SLOTS=ATTENTION_BLOCK_SLOTS, HAS_LIMIT=limit is not None)
+        q.contiguous(), k, v, k if slot is None else slot, m, l, o, slots, head ** -0.5,
+        k.stride(0), k.stride(1), splits, span, GROUP=group, GROUP_ROWS=triton.next_power_of_2(group),
+        HEAD=head, CHUNK=ATTENTION_CHUNK_SLOTS, HAS_SLOT=slot is not None)
     out = torch.empty_like(q)
     _attention_merge_kernel[(heads,)](m, l, o, out, splits, HEAD=head,
                                       SPLIT_ROWS=max(2, triton.next_power_of_2(splits)))
@@ -145,5 +204,5 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: t
 
 
 @decode_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor | None) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
     return torch.empty_like(q)

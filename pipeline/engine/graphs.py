@@ -148,9 +148,7 @@ class GraphedTarget:
         self.length.fill_(prefix_len)
         x.tokens.copy_(tokens)
         x.positions.copy_(positions)
-        if tree_mask is None:  # only a single token reaches here without a tree
-            x.tree_mask.fill_(True)
-        else:
+        if t > 1:  # one token's mask is [[True]] whatever the caller passes, and was made so
             x.tree_mask.copy_(tree_mask)
         return self.graphs[t]()
 

@@ -138,9 +138,12 @@ class KVCache:
         return KVCache(self.k[:, start:stop], self.v[:, start:stop])
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # One index_put_ on the whole tensor: assigning through self.k[layer] (a view) makes
+        # torch.compile copy every layer's cache out and back each step, a cost that grows with slots.
         rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
-        self.k[layer, rows, slots] = k
-        self.v[layer, rows, slots] = v
+        layers = torch.full_like(slots, layer)
+        self.k.index_put_((layers, rows, slots), k)
+        self.v.index_put_((layers, rows, slots), v)
 
     def read(self, layer: int, attn_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer, :, :attn_len], self.v[layer, :, :attn_len]
@@ -277,9 +280,8 @@ class ForwardContext:
     mask: torch.Tensor | None  # [B, 1, T, attn_len] bool, True = may attend; None with is_causal or all-visible
     is_causal: bool
     rotary: Rotary
-    # [1] on the device, or None = attn_len: no token sees a slot at or past it. A single token
-    # sees exactly the slots below it (every builder here), which the fused decode kernel relies on.
-    limit: torch.Tensor | None = None
+    # Every builder here lets a single new token see exactly the slots up to its own, which the
+    # fused decode kernel relies on: it reads slots [0, slots[0, 0]] and needs no mask.
 
 
 def attention_mask(prefix_len: int, tree_mask: torch.Tensor, attn_len: int) -> torch.Tensor:
@@ -320,8 +322,7 @@ def full_slot_context(cache: KVCache, rotary: Rotary, length: torch.Tensor, posi
     rel = slot_ids - length
     in_region = (rel >= 0) & (rel < region)
     mask = (rel < 0) | (rows[:, rel.clamp(0, region - 1)] & in_region)  # [T, slots]
-    return ForwardContext(positions[None], slots[None], cache, cache.num_slots, mask[None, None], False, rotary,
-                          (length + region).view(1))
+    return ForwardContext(positions[None], slots[None], cache, cache.num_slots, mask[None, None], False, rotary)
 
 
 def decode_context(cache: KVCache, rotary: Rotary, lengths: torch.Tensor, attn_len: int) -> ForwardContext:

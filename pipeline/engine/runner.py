@@ -19,7 +19,7 @@ from pipeline.engine import fused
 from pipeline.engine.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
 from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
 from pipeline.engine.batcher import Batcher
-from pipeline.engine.graphs import GraphedTarget
+from pipeline.engine.graphs import Compiled, GraphedTarget
 from pipeline.engine.model import KVCache, Transformer, make_context
 from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
 from pipeline.engine.sampling import RequestError, SamplingParams, choose
@@ -58,6 +58,10 @@ class Engine:
         # Plain engines decode in the batcher (batch 1 included); the device runs ahead of the host
         # by this many greedy steps (1 on the CPU, where the host is the device anyway).
         self.run_ahead = RUN_AHEAD_STEPS if self.device.type == "cuda" else 1
+        # hidden [N, H] -> greedy tokens [N]. Compiled on CUDA: an eager argmax over a large
+        # vocabulary is one block's reduction (28 us of 128k logits on an H200); inductor splits it.
+        self.greedy = Compiled(lambda hidden: self.target.logits(hidden).argmax(-1),
+                               None if self.device.type == "cuda" else False)
         self.batcher = Batcher(self) if isinstance(self.proposer, PlainProposer) else None
         self._lock = threading.Lock()  # speculative engines: one request at a time
 
