@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from pipeline.bench.speed import SHAPES, _IdsOnly, decode_rate, random_model, streamed_bytes  # noqa: E402
-from pipeline.engine import fused  # noqa: E402
+from pipeline.engine import fused, fused_kernels  # noqa: E402
 from pipeline.engine.config import EngineLimits, SpecConfig  # noqa: E402
 from pipeline.engine.request import SamplingParams  # noqa: E402
 from pipeline.engine.runner import Engine  # noqa: E402
@@ -42,7 +42,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128, help="cached tokens before the step")
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--tree", type=int, default=1, help="tokens per step: 1 decodes, more verifies a tree")
+    ap.add_argument("--attention-chunk", type=int, default=None, help="try another ATTENTION_CHUNK_SLOTS")
+    ap.add_argument("--gemv", default=None, help="try another GEMV configuration: rows,columns,warps")
     args = ap.parse_args()
+    if args.attention_chunk:
+        fused_kernels.ATTENTION_CHUNK_SLOTS = args.attention_chunk
+    if args.gemv:
+        fused_kernels.BLOCK_ROWS, fused_kernels.BLOCK_K, fused_kernels.NUM_WARPS = map(int, args.gemv.split(","))
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = random_model(SHAPES[args.shape], device, torch.bfloat16)
@@ -86,7 +92,8 @@ def main() -> None:
     n = len(steps)
     floor_us = streamed_bytes(model) / (READ_TBPS * 1e12) * 1e6
     print(f"{args.shape}, kernels={args.kernels or fused.level()}, context {args.context}, {args.tree} tokens a step, "
-          f"{n} steps profiled")
+          f"{n} steps profiled, attention chunk {fused_kernels.ATTENTION_CHUNK_SLOTS}, GEMV "
+          f"{fused_kernels.BLOCK_ROWS},{fused_kernels.BLOCK_K},{fused_kernels.NUM_WARPS}")
     print(f"per step: span {statistics.median(spans):.0f} us, busy {statistics.median(busy):.0f} us, "
           f"{len(kernels) / n:.0f} kernels, weight-read floor at {READ_TBPS} TB/s {floor_us:.0f} us")
     print(f"{'kernel':<70} {'calls':>6} {'us/step':>9} {'us/call':>8}")

@@ -7,7 +7,7 @@ import torch
 
 from pipeline.engine import acceptance
 from pipeline.engine.acceptance import accept_greedy, accept_sampling
-from pipeline.engine.sampling import SamplingParams, target_probs
+from pipeline.engine.sampling import SamplingParams, argmax_rows, target_probs
 from pipeline.engine.tree import (MC_SIM_7B_63, DraftTree, build_tree, chain_buffers, choices_to_triton, parse_choices,
                                   validate_choices)
 from pipeline.errors import UserError
@@ -120,3 +120,13 @@ def test_the_same_check_catches_a_broken_rule(kind, monkeypatch):
     expected = target_probs(logits[:1], params)[0]
     got = first_token_histogram(tree, logits, params)
     assert 0.5 * (got - expected).abs().sum() > TV_BOUND
+
+
+@pytest.mark.parametrize("vocab", [5, 256, 257, 49152, 128256])
+def test_two_stage_argmax_picks_the_first_maximum_like_torch(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(3, vocab, generator=gen)
+    logits[1] = logits[1].round()  # many ties
+    logits[2] = 1.0  # all tied: index 0
+    for x in (logits, logits.bfloat16()):
+        assert torch.equal(argmax_rows(x), x.argmax(-1))

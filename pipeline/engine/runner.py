@@ -22,7 +22,7 @@ from pipeline.engine.batcher import Batcher
 from pipeline.engine.graphs import Compiled, GraphedTarget
 from pipeline.engine.model import KVCache, Transformer, make_context
 from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
-from pipeline.engine.sampling import RequestError, SamplingParams, choose
+from pipeline.engine.sampling import RequestError, SamplingParams, argmax_rows, choose
 from pipeline.engine.speculative import PlainProposer, Proposer, StepInput, TargetPass
 from pipeline.engine.stats import SpecStats
 from pipeline.engine.tree import DraftTree
@@ -58,9 +58,9 @@ class Engine:
         # Plain engines decode in the batcher (batch 1 included); the device runs ahead of the host
         # by this many greedy steps (1 on the CPU, where the host is the device anyway).
         self.run_ahead = RUN_AHEAD_STEPS if self.device.type == "cuda" else 1
-        # hidden [N, H] -> greedy tokens [N]. Compiled on CUDA: an eager argmax over a large
-        # vocabulary is one block's reduction (28 us of 128k logits on an H200); inductor splits it.
-        self.greedy = Compiled(lambda hidden: self.target.logits(hidden).argmax(-1),
+        # hidden [N, H] -> greedy tokens [N], compiled on CUDA: the LM head, then the argmax in two
+        # parallel stages (one reduction over the vocabulary runs on one block).
+        self.greedy = Compiled(lambda hidden: argmax_rows(self.target.logits(hidden)),
                                None if self.device.type == "cuda" else False)
         self.batcher = Batcher(self) if isinstance(self.proposer, PlainProposer) else None
         self._lock = threading.Lock()  # speculative engines: one request at a time

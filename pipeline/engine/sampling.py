@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+# A vocabulary-long argmax in two parallel stages: the maximum of each of this many slices, then the
+# argmax of those. One argmax over 128k logits is one block's reduction (28 us on an H200).
+ARGMAX_SLICES = 256
 
 
 class RequestError(ValueError):
@@ -63,3 +68,13 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return logits.argmax(-1)
     return sample(target_probs(logits, params), generator)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> [N]: logits.argmax(-1), the first index of each row's maximum, in two stages."""
+    n, v = logits.shape
+    width = -(-v // ARGMAX_SLICES)
+    padded = F.pad(logits, (0, width * ARGMAX_SLICES - v), value=float("-inf")).view(n, ARGMAX_SLICES, width)
+    best, where = padded.max(-1)  # the first maximum of each slice
+    slice_ = best.argmax(-1, keepdim=True)  # the first slice holding the row's maximum
+    return (slice_ * width + where.gather(-1, slice_)).squeeze(-1)
