@@ -61,7 +61,7 @@ def test_greedy_acceptance_takes_the_deepest_matching_path():
     logits[0, 6] = 5  # root -> 6: node 2 (rank 1) is right, node 1 wrong
     logits[2, 8] = 5  # node 2 -> 8: node 4 right
     logits[4, 3] = 5  # bonus after node 4
-    acc = accept_greedy(DraftTree.from_buffers(tokens, tree), logits)
+    acc = accept_greedy(DraftTree.from_buffers(tokens, tree), logits.argmax(-1))
     assert acc.num_accepted.item() == 2
     assert acc.path.tolist() == [0, 2, 4]
     assert acc.tokens.tolist() == [6, 8, 3]

@@ -201,9 +201,8 @@ def verify_costs(engine: Engine, prefix_len: int, sizes: tuple[int, ...], repeat
         depths = tree.depths if tree is not None else torch.zeros(1, dtype=torch.long, device=device)
         mask = tree.mask if tree is not None else None
 
-        def step() -> torch.Tensor:
-            target = engine.forward(tokens, prefix_len, prefix_len + depths, mask)
-            return engine.target.logits(target.hidden).argmax(-1)
+        def step() -> torch.Tensor:  # what a greedy step's verification costs: the pass and its argmax
+            return engine.greedy(engine.forward(tokens, prefix_len, prefix_len + depths, mask).hidden)
 
         out[size] = median_seconds(step, device, repeats * 10, warmup=3)
     return out

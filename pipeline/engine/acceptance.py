@@ -64,8 +64,8 @@ def deepest_accepted(tree: DraftTree, node_ok: torch.Tensor) -> torch.Tensor:
     return torch.where(path_ok, tree.depths, -1).argmax()
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
-    target_next = logits.argmax(-1)
+def accept_greedy(tree: DraftTree, target_next: torch.Tensor) -> Acceptance:
+    """target_next [N]: the target's argmax after each node."""
     node_ok = tree.tokens == target_next[tree.parents.clamp(min=0)]
     best = deepest_accepted(tree, node_ok)
     return _finish(tree, best, target_next[best])

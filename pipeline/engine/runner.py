@@ -154,7 +154,7 @@ class Engine:
             step = StepInput(root, length, prompt_ids, out, params, generator)
             tree = self.proposer.propose(step)
             target = self.forward(tree.tokens, length, length + tree.depths, tree.mask if tree.num_nodes > 1 else None)
-            acc = self._accept(tree, self.target.logits(target.hidden), params, generator)
+            acc = self._accept(tree, target.hidden, params, generator)
             if tree.num_nodes > 1:
                 slots = torch.arange(length, length + tree.max_depth + 1, device=self.device)
                 self.cache.move(length + acc.path, slots)
@@ -178,10 +178,11 @@ class Engine:
         hidden, captured = self.target(tokens[None], ctx, self.proposer.capture_layers)
         return TargetPass(hidden[0], [c[0] for c in captured])
 
-    def _accept(self, tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
+    def _accept(self, tree: DraftTree, hidden: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator) -> Acceptance:
-        if params.greedy:
-            return accept_greedy(tree, logits)
+        if params.greedy:  # the argmax never needs the float logits in memory
+            return accept_greedy(tree, self.greedy(hidden))
+        logits = self.target.logits(hidden)
         if self.spec.acceptance == "typical":
             return accept_typical(tree, logits, params, self.spec.typical_acceptance, generator)
         return accept_sampling(tree, logits, params, generator)
