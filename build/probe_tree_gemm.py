@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Verification passes multiply a few rows (a tree's 8-64 tokens) by every weight matrix: cuBLAS
+against a Triton tensor-core kernel that streams each weight tile once for all rows, on the
+Llama-3-8B shapes, over a sweep of tile sizes. A prototype: the engine adopts it only if it wins.
+
+Each product runs inside one CUDA graph cycling through distinct weight copies (as probe_gemv.py),
+so that no matrix is read from L2. Prints microseconds (GB/s of weights) per shape and row count,
+and the sum over one pass's 129 products for cuBLAS, the best tile per shape and the best single tile.
+
+  python3 build/probe_tree_gemm.py               # on a CUDA machine with Triton (about a minute)
+  TRITON_INTERPRET=1 python3 build/probe_tree_gemm.py --check    # the kernel's sums on the CPU
+"""
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+ROWS = (16, 64)  # tree tokens
+# rows (BLOCK_N weight rows a program), columns (BLOCK_K), warps, pipeline stages
+SWEEP = tuple(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4)))
+
+
+@triton.jit
+def _tree_gemm_kernel(x_ptr, w_ptr, y_ptr, m, n, k,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[m, n] = x[m, k] W[n, k]^T for m <= BLOCK_M: each program owns BLOCK_N weight rows and
+    reads them once, for every row of x (x itself comes from L2)."""
+    tokens = tl.arange(0, BLOCK_M)
+    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        inside = cols < k
+        x = tl.load(x_ptr + tokens[:, None] * k + cols[None, :], mask=(tokens < m)[:, None] & inside[None, :], other=0.0)
+        w = tl.load(w_ptr + outs[:, None] * k + cols[None, :], mask=(outs < n)[:, None] & inside[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(y_ptr + tokens[:, None] * n + outs[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(tokens < m)[:, None] & (outs < n)[None, :])
+
+
+def tree_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int, block_k: int, warps: int,
+              stages: int) -> None:
+    m, k = x.shape
+    n = w.shape[0]
+    _tree_gemm_kernel[(triton.cdiv(n, block_n),)](x, w, y, m, n, k, BLOCK_M=max(16, triton.next_power_of_2(m)),
+                                                  BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                                                  num_stages=stages)
+
+
+def check() -> None:
+    """The kernel against float64 on small float32 shapes, edges included (Triton's interpreter)."""
+    for m, n, k in ((3, 20, 70), (16, 33, 130), (9, 64, 256)):
+        x, w = torch.randn(m, k), torch.randn(n, k)
+        y = torch.empty(m, n)
+        tree_gemm(x, w, y, 16, 64, 4, 2)
+        err = ((y.double() - x.double() @ w.double().T).abs().max() / (x.double() @ w.double().T).abs().max()).item()
+        assert err < 1e-5, (m, n, k, err)
+    print("tree gemm ok")
+
+
+def main() -> None:
+    from probe_gemv import COPIES, SHAPES, timed
+
+    torch.manual_seed(0)
+    t0 = time.time()
+    for m in ROWS:
+        totals = {"cublas": 0.0, "best tile per shape": 0.0}
+        per_config = {c: 0.0 for c in SWEEP}
+        print(f"{m} rows; tiles as rows,columns,warps,stages: us (GB/s)")
+        for name, (n, k, per_pass, _) in SHAPES.items():
+            copies = max(1, min(COPIES, int(2e9 // (n * k * 2))))
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            mb = n * k * 2 / 1e6
+            gbs = lambda us: mb / us * 1e3
+            t_cublas = timed(lambda i: F.linear(x, ws[i % copies]))
+            ref = F.linear(x.float(), ws[0].float())
+            times = {}
+            for config in SWEEP:
+                tree_gemm(x, ws[0], y, *config)
+                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                assert err < 2e-2, (name, m, config, err)
+                times[config] = timed(lambda i, c=config: tree_gemm(x, ws[i % copies], y, *c))
+                per_config[config] += per_pass * times[config]
+            best = min(times, key=times.get)
+            totals["cublas"] += per_pass * t_cublas
+            totals["best tile per shape"] += per_pass * times[best]
+            print(f"{name:<8}{mb:7.1f} MB  cublas {t_cublas:6.1f} ({gbs(t_cublas):4.0f})  best {best}: "
+                  f"{times[best]:6.1f} ({gbs(times[best]):4.0f})  " + "  ".join(
+                      f"{','.join(map(str, c))}: {t:.1f}" for c, t in times.items()), flush=True)
+            del ws
+        single = min(per_config, key=per_config.get)
+        totals[f"best single tile {single}"] = per_config[single]
+        print(f"{m} rows, one pass's 129 products (ms):", {key: round(v / 1e3, 3) for key, v in totals.items()})
+    print(f"probe {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="check the kernel's sums (CPU, TRITON_INTERPRET=1)")
+    check() if ap.parse_args().check else main()
