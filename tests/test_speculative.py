@@ -213,3 +213,37 @@ def test_tree_from_ranks_keeps_the_most_accepted_paths():
     paths = [list(p) for d in (1, 2, 3) for p in itertools.product(range(3), repeat=d)]
     closed = [t for t in itertools.combinations(paths, 5) if all(p[:-1] in t or len(p) == 1 for p in t)]
     assert expected == pytest.approx(max(expected_acceptance(ranks, list(t)) for t in closed))
+
+
+@pytest.mark.parametrize("case", ["eagle-dynamic", "eagle3-dynamic", "medusa-mc_sim_7b_63"])
+def test_running_ahead_changes_only_how_tokens_are_grouped(case, tiny_llama_dir, plain, tmp_path):
+    """CUDA engines queue 8 greedy steps per host read (the length stays on the device); on the CPU
+    4 give the tokens, stop reasons and step counts of one step at a time, with the random draft and
+    with an oracle (several tokens a step), and a stop inside a group drops the steps after it."""
+    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir))))
+    assert engine.proposer.runs_ahead
+    n = 24
+    free = greedy(plain, PROMPTS[0], n).token_ids
+    ids = engine.tokenizer(PROMPTS[0]).input_ids
+    requests = [SamplingParams(max_tokens=n, end_id=-1), SamplingParams(max_tokens=n, end_id=free[9]),
+                SamplingParams(max_tokens=1, end_id=-1)]
+    ref = reference(plain, PROMPTS[0], n + 16)
+    seen, biggest = {}, {}
+    for name in ("random", "oracle"):
+        if name == "oracle" and isinstance(engine.proposer, MedusaProposer):
+            engine.proposer = OracleMedusa(engine.proposer, ref)
+        elif name == "oracle":
+            engine.proposer.net = OracleNet(engine.proposer.net, ref)
+        for ahead in (1, 4):
+            engine.run_ahead = ahead
+            for i, params in enumerate(requests):
+                chunks = list(engine.stream(ids, params))
+                result = chunks[-1].result
+                assert [t for c in chunks for t in c.token_ids] == result.token_ids
+                seen[name, ahead, i] = (result.token_ids, result.finish_reason, result.stats.steps)
+                biggest[name, ahead] = max(biggest.get((name, ahead), 0), *(len(c.token_ids) for c in chunks))
+        assert all(seen[name, 1, i] == seen[name, 4, i] for i in range(len(requests))), (name, seen)
+        assert biggest[name, 4] > biggest[name, 1]  # the groups did run ahead
+        assert seen[name, 4, 0][0] == free and seen[name, 4, 1][1] == "end_id" and seen[name, 4, 2][0] == free[:1]
+    assert seen["oracle", 4, 0][2] < n // 2  # the oracle's steps carried several tokens each
+

@@ -18,6 +18,7 @@ from pipeline.engine.tree import DraftTree, chain_buffers
 
 class DraftModelProposer:
     capture_layers: tuple[int, ...] = ()
+    runs_ahead = False  # it feeds the emitted text to its own model
 
     def __init__(self, draft: Transformer, k: int, cache_slots: int):
         self.draft, self.k = draft, k

@@ -125,6 +125,8 @@ class EagleProposer:
     The catch-up always runs max_depth + 1 pairs; those past the accepted count write slots that no
     later query sees before the tree or the next catch-up overwrites them."""
 
+    runs_ahead = True
+
     def __init__(self, net: EagleNet | Eagle3Net, cache_slots: int, tree: TreeBuffers | None,
                  dynamic: DynamicTreeConfig | None, max_draft_len: int):
         self.net = net
@@ -173,7 +175,8 @@ class EagleProposer:
         self.length.fill_(n - 1)
         self.num_pending.fill_(1)
 
-    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int, target: TargetPass, length: int) -> None:
+    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int | torch.Tensor, target: TargetPass,
+               length: int | torch.Tensor) -> None:
         # Straight into the step's buffers (acc holds max_depth + 1 entries): no per-step allocation.
         torch.index_select(self.net.target_features(target), 0, acc.path, out=self.pending_features)
         self.pending_tokens.copy_(acc.tokens)

@@ -129,11 +129,12 @@ class GraphedTarget:
         self.inputs: dict[int, _Inputs] = {}
         self.graphs: dict[int, CapturedStep] = {}
 
-    def supports(self, num_tokens: int, prefix_len: int) -> bool:
-        """Decode and verification steps (after a prefill) up to max_tokens new tokens."""
-        return prefix_len > 0 and num_tokens <= self.max_tokens
+    def supports(self, num_tokens: int, prefix_len: int | torch.Tensor) -> bool:
+        """Decode and verification steps (after a prefill: a device length always is) up to
+        max_tokens new tokens."""
+        return (isinstance(prefix_len, torch.Tensor) or prefix_len > 0) and num_tokens <= self.max_tokens
 
-    def run(self, tokens: torch.Tensor, prefix_len: int, positions: torch.Tensor,
+    def run(self, tokens: torch.Tensor, prefix_len: int | torch.Tensor, positions: torch.Tensor,
             tree_mask: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The same (final hidden [T, H], captured [T, H] each) as the eager forward, from a replay."""
         t = tokens.shape[0]

@@ -45,6 +45,7 @@ def medusa_heads(num_heads: int, num_layers: int, hidden: int, vocab: int, act: 
 
 class MedusaProposer:
     capture_layers: tuple[int, ...] = ()
+    runs_ahead = True
 
     def __init__(self, heads: nn.ModuleList, tree: TreeBuffers):
         self.heads = heads[:tree.max_depth]  # deeper heads have no node to fill
@@ -67,5 +68,6 @@ class MedusaProposer:
         tokens = torch.cat([step.root, tokens[1:]])
         return DraftTree.from_buffers(tokens, self.tree)
 
-    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int, target: TargetPass, length: int) -> None:
+    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int | torch.Tensor, target: TargetPass,
+               length: int | torch.Tensor) -> None:
         self.hidden = target.hidden.index_select(0, acc.last_node)

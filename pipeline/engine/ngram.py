@@ -28,6 +28,7 @@ def lookup(history: list[int], cfg: NgramConfig) -> list[int]:
 
 class NgramProposer:
     capture_layers: tuple[int, ...] = ()
+    runs_ahead = False  # it reads the emitted text
 
     def __init__(self, cfg: NgramConfig, device: torch.device | str):
         self.cfg = cfg

@@ -3,6 +3,8 @@
 generate -> validate -> prefill (target over the prompt, first token) -> loop:
   propose (tree) -> verify (one target pass over the tree) -> accept (path + bonus token)
   -> compact the accepted path's KV -> one host copy of the new tokens -> stop checks -> stream.
+On CUDA, greedy requests whose proposer reads only device state (EAGLE, Medusa) queue up to
+run_ahead steps before that host copy, the cache length staying on the device meanwhile.
 Plain decoding is the same loop with a one-node tree; plain engines also batch concurrent requests
 (batcher.py), while a speculative engine serves one request at a time.
 """
@@ -20,7 +22,7 @@ from pipeline.engine.acceptance import Acceptance, accept_greedy, accept_samplin
 from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
 from pipeline.engine.batcher import Batcher
 from pipeline.engine.graphs import Compiled, GraphedTarget
-from pipeline.engine.model import KVCache, Transformer, make_context
+from pipeline.engine.model import KVCache, Transformer, full_slot_context, make_context
 from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
 from pipeline.engine.sampling import RequestError, SamplingParams, argmax_rows, choose
 from pipeline.engine.speculative import PlainProposer, Proposer, StepInput, TargetPass
@@ -29,8 +31,8 @@ from pipeline.engine.tree import DraftTree
 
 WARMUP_PROMPT_TOKENS = 8
 WARMUP_NEW_TOKENS = 8
-# Greedy plain steps queued between host reads on CUDA: streaming then arrives in groups of this many
-# tokens, and a stop costs at most this many wasted steps.
+# Greedy steps queued between host reads on CUDA (plain, EAGLE and Medusa): streaming then arrives
+# in groups of this many steps, and a stop costs at most this many wasted steps.
 RUN_AHEAD_STEPS = 8  # a few steps: the first step of each graph size compiles and captures it
 
 __all__ = ["Engine", "GenerationResult", "RequestError", "SamplingParams", "StreamChunk", "SpecStats"]
@@ -58,6 +60,7 @@ class Engine:
         # Plain engines decode in the batcher (batch 1 included); the device runs ahead of the host
         # by this many greedy steps (1 on the CPU, where the host is the device anyway).
         self.run_ahead = RUN_AHEAD_STEPS if self.device.type == "cuda" else 1
+        self.slot_offsets = torch.arange(self.proposer.max_nodes, device=self.device)
         # hidden [N, H] -> greedy tokens [N], compiled on CUDA: the LM head, then the argmax in two
         # parallel stages (one reduction over the vocabulary runs on one block).
         self.greedy = Compiled(lambda hidden: argmax_rows(self.target.logits(hidden)),
@@ -148,33 +151,67 @@ class Engine:
         self.proposer.start(prompt, target, root)
         length = len(prompt_ids)
         new = stop.take(out, root.tolist())
+        ahead = self.run_ahead if params.greedy and self.proposer.runs_ahead else 1
 
         while not stop.reason:
             yield StreamChunk(new, False)
-            step = StepInput(root, length, prompt_ids, out, params, generator)
-            tree = self.proposer.propose(step)
-            target = self.forward(tree.tokens, length, length + tree.depths, tree.mask if tree.num_nodes > 1 else None)
-            acc = self._accept(tree, target.hidden, params, generator)
-            if tree.num_nodes > 1:
-                slots = torch.arange(length, length + tree.max_depth + 1, device=self.device)
-                self.cache.move(length + acc.path, slots)
-            host = torch.cat([acc.tokens, acc.num_accepted.view(1)]).tolist()  # the step's one sync
-            num_accepted = host[-1]
-            stats.record(tree.num_nodes - 1, tree.max_depth, num_accepted)
-            self.proposer.update(tree, acc, num_accepted, target, length)
-            length += num_accepted + 1
-            root = acc.tokens[num_accepted].view(1)
-            new = stop.take(out, host[:num_accepted + 1])
+            steps = self._group_size(ahead, length, params.max_tokens - len(out))
+            # One host int when a step is read back at once; else the length stays on the device
+            # and the group's steps queue up behind each other, read back with one sync.
+            at = length if steps == 1 else torch.tensor(length, device=self.device)
+            trees, accepted = [], []
+            for _ in range(steps):
+                tree, acc, target = self._verify(StepInput(root, at, prompt_ids, out, params, generator))
+                trees.append(tree)
+                accepted.append(torch.cat([acc.tokens, acc.num_accepted.view(1)]))
+                if steps > 1:  # a proposer that runs ahead takes device values
+                    self.proposer.update(tree, acc, acc.num_accepted, target, at)
+                at = at + acc.num_accepted + 1
+                root = acc.tokens.gather(0, acc.num_accepted.view(1))
+            hosts = torch.stack(accepted).tolist()  # the group's one sync
+            if steps == 1:
+                self.proposer.update(tree, acc, hosts[0][-1], target, length)
+            new = []
+            for tree, host in zip(trees, hosts):
+                num_accepted = host[-1]
+                stats.record(tree.num_nodes - 1, tree.max_depth, num_accepted)
+                length += num_accepted + 1
+                new += stop.take(out, host[:num_accepted + 1])
+                if stop.reason:  # the steps after it are discarded: the request ends here
+                    break
 
         yield StreamChunk(new, True, self.result(prompt_ids, out, stop.reason, stats))
 
-    def forward(self, tokens: torch.Tensor, prefix_len: int, positions: torch.Tensor,
+    def _group_size(self, ahead: int, length: int, remaining: int) -> int:
+        """Steps to queue before the next read: each emits at least one token and at most
+        max_nodes slots' worth, and none may outgrow the cache."""
+        room = (self.cache.num_slots - length) // self.proposer.max_nodes - 1
+        return max(1, min(ahead, remaining, room))
+
+    def _verify(self, step: StepInput) -> tuple[DraftTree, Acceptance, TargetPass]:
+        """Propose, verify, accept, and compact the accepted path's KV."""
+        length = step.length
+        tree = self.proposer.propose(step)
+        target = self.forward(tree.tokens, length, length + tree.depths, tree.mask if tree.num_nodes > 1 else None)
+        acc = self._accept(tree, target.hidden, step.params, step.generator)
+        if tree.num_nodes > 1:
+            self.cache.move(length + acc.path, length + self.slot_offsets[:tree.max_depth + 1])
+        return tree, acc, target
+
+    def forward(self, tokens: torch.Tensor, prefix_len: int | torch.Tensor, positions: torch.Tensor,
                 tree_mask: torch.Tensor | None, cache: KVCache | None = None) -> TargetPass:
-        """The target over T new tokens of one sequence (row 0 unless `cache` is another row)."""
+        """The target over T new tokens of one sequence (row 0 unless `cache` is another row). A
+        device prefix_len (a loop running ahead of the host) reads every slot through a mask."""
         cache = self.cache if cache is None else cache
         if cache is self.cache and self.graphs is not None and self.graphs.supports(tokens.shape[0], prefix_len):
             return TargetPass(*self.graphs.run(tokens, prefix_len, positions, tree_mask))
-        ctx = make_context(cache, self.target.rotary, prefix_len, positions, tree_mask)
+        if isinstance(prefix_len, torch.Tensor):
+            t = tokens.shape[0]
+            rows = tree_mask if tree_mask is not None else torch.ones(1, 1, dtype=torch.bool, device=self.device)
+            ctx = full_slot_context(cache, self.target.rotary, prefix_len, positions, prefix_len + self.slot_offsets[:t],
+                                    rows, torch.arange(cache.num_slots, device=self.device))
+        else:
+            ctx = make_context(cache, self.target.rotary, prefix_len, positions, tree_mask)
         hidden, captured = self.target(tokens[None], ctx, self.proposer.capture_layers)
         return TargetPass(hidden[0], [c[0] for c in captured])
 

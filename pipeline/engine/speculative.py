@@ -30,7 +30,9 @@ class StepInput:
     """What a proposer may read to draft the next tree."""
 
     root: torch.Tensor  # [1] the last emitted token, not yet in the target's cache
-    length: int  # target cache length; the root sits at this position
+    # target cache length; the root sits at this position. A device scalar while the loop runs
+    # ahead of the host (only proposers with runs_ahead see that).
+    length: int | torch.Tensor
     prompt: list[int]
     emitted: list[int]  # root included (the request's own list: read, never modify)
     params: SamplingParams
@@ -45,6 +47,8 @@ class StepInput:
 class Proposer(Protocol):
     capture_layers: tuple[int, ...]
     max_nodes: int  # the largest tree it proposes, root included (sizes the KV cache headroom)
+    # propose and update read only device tensors, so greedy steps may queue up without host reads
+    runs_ahead: bool
 
     def start(self, prompt: torch.Tensor, target: TargetPass, first: torch.Tensor) -> None:
         """After the prefill: prompt [n], the target's pass over it, and the first token [1]."""
@@ -52,8 +56,10 @@ class Proposer(Protocol):
     def propose(self, step: StepInput) -> DraftTree:
         ...
 
-    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int, target: TargetPass, length: int) -> None:
-        """After verification of `tree` at cache offset `length`; num_accepted is the host copy."""
+    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int | torch.Tensor, target: TargetPass,
+               length: int | torch.Tensor) -> None:
+        """After verification of `tree` at cache offset `length`; num_accepted and length are host
+        ints, or device scalars for a proposer that runs ahead."""
 
 
 class PlainProposer:
@@ -61,6 +67,7 @@ class PlainProposer:
 
     capture_layers: tuple[int, ...] = ()
     max_nodes = 1
+    runs_ahead = False  # plain engines run ahead in the batcher
 
     def __init__(self, device: torch.device | str):
         self.buffers: TreeBuffers = chain_buffers(0, device)
