@@ -258,3 +258,21 @@ def test_compile_mode_comes_from_the_environment_and_rejects_graph_modes(monkeyp
     monkeypatch.setenv(COMPILE_MODE_ENV, "reduce-overhead")  # inductor's own CUDA graphs inside ours: refused
     with pytest.raises(UserError, match=COMPILE_MODE_ENV):
         Compiled(lambda x: x, enabled=True)
+
+
+def test_cpu_products_run_through_onednn_and_match_f_linear(tiny_llama_engine, monkeypatch):
+    from pipeline.engine import onednn
+    from pipeline.engine.model import Linear
+
+    if onednn.available():  # every CPU engine's target runs its products through oneDNN
+        assert all(m.packed is not None for m in tiny_llama_engine.target.modules() if isinstance(m, Linear))
+    lin = Linear(64, 24, bias=True)
+    for shape in ((1, 1, 64), (2, 5, 64)):  # a decode step and a tree / prefill
+        x = torch.randn(*shape)
+        want = torch.nn.functional.linear(x, lin.weight, lin.bias)
+        lin.packed = None
+        assert onednn.pack(lin) == 1
+        torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+    assert onednn.pack(Linear(64, 24).to(torch.bfloat16)) == 0  # float32 only
+    monkeypatch.setenv(onednn.ENV, "0")
+    assert onednn.pack(Linear(64, 24)) == 0

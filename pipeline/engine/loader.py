@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline.engine import onednn
 from pipeline.engine.config import EngineDir, SpecConfig
 from pipeline.engine.draft_model import DraftModelProposer
 from pipeline.engine.eagle import Eagle3Net, EagleNet, EagleProposer
@@ -92,7 +93,10 @@ def max_positions(engine: EngineDir) -> int:
 
 
 def _ready(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    return module.to(device, dtype).eval()
+    module = module.to(device, dtype).eval()
+    if device.type == "cpu":
+        onednn.pack(module)
+    return module
 
 
 def _eagle(net: nn.Module, spec: SpecConfig, slots: int, device: torch.device, dtype: torch.dtype) -> EagleProposer:

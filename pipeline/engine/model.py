@@ -178,11 +178,15 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear whose single-token products may go through our GEMV kernel (set by fused.attach on
-    CUDA); every other call, and every CPU call, is F.linear."""
+    CUDA), and whose CPU products go through oneDNN (set by onednn.pack); otherwise F.linear."""
 
     gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    packed: torch.Tensor | None = None  # CPU: the weight as oneDNN reordered it (onednn.pack)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
+            return y.view(*x.shape[:-1], -1)
         if self.gemv is None or x.shape[:-1].numel() != 1:
             return F.linear(x, self.weight, self.bias)
         y = self.gemv(x.reshape(-1), self.weight).view(*x.shape[:-1], -1)

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from pipeline.engine import fused
+from pipeline.engine import fused, onednn
 from pipeline.engine.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
 from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
 from pipeline.engine.batcher import Batcher
@@ -54,6 +54,8 @@ class Engine:
         # CUDA graphs for decode and verification steps; the CPU path stays eager. Set to None to
         # run a CUDA engine eagerly (the benchmark does, to show what the graphs buy).
         self.graphs: GraphedTarget | None = None
+        if self.device.type == "cpu":
+            onednn.pack(target)
         if self.device.type == "cuda":
             fused.attach(target)  # before capture: the graphs record whichever kernels the layers call
             self.graphs = GraphedTarget(target, self.cache, self.proposer.capture_layers)
