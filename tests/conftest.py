@@ -32,6 +32,26 @@ def convert_and_build(target: str | Path | TargetSource, out_root: str | Path, *
     return build_engine(ckpt, out_root / "engine", backend, BuildOptions(**build_flags))
 
 
+def stream_by_run_ahead(engine: Any, ids: list[int], requests: list[Any], aheads: tuple[int, ...]
+                        ) -> tuple[dict[tuple[int, int], tuple], dict[int, int]]:
+    """Each request streamed at each run_ahead (restored to 1 after): (tokens, finish reason, steps)
+    by (ahead, request index), and the largest chunk seen at each ahead. Checks that the chunks add
+    up to the final result."""
+    seen, biggest = {}, {}
+    try:
+        for ahead in aheads:
+            engine.run_ahead = ahead
+            for i, params in enumerate(requests):
+                chunks = list(engine.stream(ids, params))
+                result = chunks[-1].result
+                assert [t for c in chunks for t in c.token_ids] == result.token_ids
+                seen[ahead, i] = (result.token_ids, result.finish_reason, result.stats.steps)
+                biggest[ahead] = max(biggest.get(ahead, 0), *(len(c.token_ids) for c in chunks))
+    finally:
+        engine.run_ahead = 1
+    return seen, biggest
+
+
 def _str(p: str | Path | None) -> str | None:
     return None if p is None else str(p)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import convert_and_build
+from conftest import convert_and_build, stream_by_run_ahead
 from pipeline.convert.source import load_hf_model
 from pipeline.engine.runner import Engine, RequestError, SamplingParams
 
@@ -170,18 +170,8 @@ def test_running_ahead_changes_only_how_tokens_are_grouped(tiny_llama_engine):
     word = engine.tokenizer.decode(free[:9]).strip()[-3:]
     requests = [SamplingParams(max_tokens=23, end_id=-1), SamplingParams(max_tokens=23, end_id=free[7]),
                 SamplingParams(max_tokens=23, end_id=-1, stop_words=(word,)), SamplingParams(max_tokens=1, end_id=-1)]
-    seen = {}
-    try:
-        for ahead in (1, 5):
-            engine.run_ahead = ahead
-            for i, params in enumerate(requests):
-                chunks = list(engine.stream(ids, params))
-                result = chunks[-1].result
-                assert [t for c in chunks for t in c.token_ids] == result.token_ids
-                assert max(len(c.token_ids) for c in chunks) <= ahead
-                seen[ahead, i] = (result.token_ids, result.finish_reason, result.stats.steps)
-    finally:
-        engine.run_ahead = 1
+    seen, biggest = stream_by_run_ahead(engine, ids, requests, (1, 5))
+    assert biggest[5] <= 5
     assert all(seen[1, i] == seen[5, i] for i in range(len(requests))), seen
     assert seen[5, 1][0] == free[:free.index(free[7]) + 1] and seen[5, 1][1] == "end_id"
     assert seen[5, 2][1] == "stop" and seen[5, 3][0] == free[:1]

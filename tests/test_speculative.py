@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import convert_and_build
+from conftest import convert_and_build, stream_by_run_ahead
 from pipeline.convert.tiny import make_random_eagle, make_random_eagle3, make_random_medusa, make_tiny_model
 from pipeline.engine.config import DynamicTreeConfig, SpecConfig
 from pipeline.engine.eagle import EagleNet, EagleProposer
@@ -228,22 +228,15 @@ def test_running_ahead_changes_only_how_tokens_are_grouped(case, tiny_llama_dir,
     requests = [SamplingParams(max_tokens=n, end_id=-1), SamplingParams(max_tokens=n, end_id=free[9]),
                 SamplingParams(max_tokens=1, end_id=-1)]
     ref = reference(plain, PROMPTS[0], n + 16)
-    seen, biggest = {}, {}
+    by_draft = {}
     for name in ("random", "oracle"):
         if name == "oracle" and isinstance(engine.proposer, MedusaProposer):
             engine.proposer = OracleMedusa(engine.proposer, ref)
         elif name == "oracle":
             engine.proposer.net = OracleNet(engine.proposer.net, ref)
-        for ahead in (1, 4):
-            engine.run_ahead = ahead
-            for i, params in enumerate(requests):
-                chunks = list(engine.stream(ids, params))
-                result = chunks[-1].result
-                assert [t for c in chunks for t in c.token_ids] == result.token_ids
-                seen[name, ahead, i] = (result.token_ids, result.finish_reason, result.stats.steps)
-                biggest[name, ahead] = max(biggest.get((name, ahead), 0), *(len(c.token_ids) for c in chunks))
-        assert all(seen[name, 1, i] == seen[name, 4, i] for i in range(len(requests))), (name, seen)
-        assert biggest[name, 4] > biggest[name, 1]  # the groups did run ahead
-        assert seen[name, 4, 0][0] == free and seen[name, 4, 1][1] == "end_id" and seen[name, 4, 2][0] == free[:1]
-    assert seen["oracle", 4, 0][2] < n // 2  # the oracle's steps carried several tokens each
+        seen, biggest = by_draft[name] = stream_by_run_ahead(engine, ids, requests, (1, 4))
+        assert all(seen[1, i] == seen[4, i] for i in range(len(requests))), (name, seen)
+        assert biggest[4] > biggest[1]  # the groups did run ahead
+        assert seen[4, 0][0] == free and seen[4, 1][1] == "end_id" and seen[4, 2][0] == free[:1]
+    assert by_draft["oracle"][0][4, 0][2] < n // 2  # the oracle's steps carried several tokens each
 
