@@ -216,10 +216,10 @@ class Attention(nn.Module):
     def rotate_and_store(self, qkv: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
         """qkv [B, T, (H + 2 Hkv) D]: rotates q and k, writes k and v to the cache; returns q [B, T, H, D]."""
         b, t, _ = qkv.shape
-        kv = self.num_kv_heads * self.head_size
-        q, k, v = qkv.split([self.num_heads * self.head_size, kv, kv], -1)
-        q = ctx.rotary(q.view(b, t, self.num_heads, self.head_size), ctx.positions)
-        k = ctx.rotary(k.view(b, t, self.num_kv_heads, self.head_size), ctx.positions)
+        rotated = self.num_heads + self.num_kv_heads  # q and k heads sit side by side: one rotary call
+        qk, v = qkv.split([rotated * self.head_size, self.num_kv_heads * self.head_size], -1)
+        q, k = ctx.rotary(qk.view(b, t, rotated, self.head_size), ctx.positions).split(
+            [self.num_heads, self.num_kv_heads], 2)
         ctx.cache.write(layer, ctx.slots, k, v.view(b, t, self.num_kv_heads, self.head_size))
         return q
 
