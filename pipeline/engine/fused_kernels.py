@@ -1,7 +1,8 @@
 """The Triton kernels behind fused.py, as torch custom ops so torch.compile keeps each whole in a graph.
 
-Every rounding the unfused layer does in the model's half dtype (the norm's output, the projection
-before its residual add, the residual sum) is repeated here at the same point, so a fused step
+Every rounding the unfused layer does in the model's half dtype (the norm's output, rotary's two
+products, the projection before its residual add, the residual sum) is repeated here at the same
+point, so a fused step
 computes what the unfused one computes up to the order of float32 sums.
 """
 
