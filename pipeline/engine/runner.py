@@ -168,7 +168,7 @@ class Engine:
                 accepted.append(torch.cat([acc.tokens, acc.num_accepted.view(1)]))
                 if steps > 1:  # a proposer that runs ahead takes device values
                     self.proposer.update(tree, acc, acc.num_accepted, target, at)
-                at = at + acc.num_accepted + 1
+                    at = at + acc.num_accepted + 1
                 root = acc.tokens.gather(0, acc.num_accepted.view(1))
             hosts = torch.stack(accepted).tolist()  # the group's one sync
             if steps == 1:
