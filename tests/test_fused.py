@@ -24,8 +24,8 @@ CHECK = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     from pipeline.engine import fused
-    from pipeline.engine.fused_kernels import decode_attention, gemv
-    from pipeline.engine.model import Linear, ModelConfig, Transformer, full_slot_context, make_context
+    from pipeline.engine.fused_kernels import gemv, slot_attention
+    from pipeline.engine.model import KVCache, Linear, ModelConfig, Transformer, full_slot_context, make_context
 
     torch.manual_seed(0)
     torch.set_grad_enabled(False)  # the engine never takes gradients; the ops have no backward
@@ -56,18 +56,30 @@ CHECK = textwrap.dedent("""
     close(lin(one), F.linear(one.double(), lin.weight.double(), lin.bias.double()), 2e-2)
     assert torch.equal(lin(many), F.linear(many, lin.weight, lin.bias))  # trees stay on the library GEMM
 
-    # Attention: a strided cache (slots x kv heads x dims), groups of 3, 4 and 1, spans of one chunk
-    # and of several, and a token slot below the cache's length.
-    for heads, kv_heads, dim, slots, limit in ((6, 2, 16, 40, None), (8, 2, 32, 150, 97), (4, 4, 64, 300, 1),
-                                               (6, 2, 16, 1100, 1043)):
-        q = torch.randn(heads, dim, dtype=torch.bfloat16)
+    # Attention: a strided cache (slots x kv heads x dims), groups of 3, 4 and 1, texts of one chunk
+    # and of several splits' worth. Single tokens see every slot up to their own...
+    for heads, kv_heads, dim, slots, slot in ((6, 2, 16, 40, 39), (8, 2, 32, 150, 96), (4, 4, 64, 300, 0),
+                                              (6, 2, 16, 1100, 1042)):
+        q = torch.randn(1, heads, dim, dtype=torch.bfloat16)
         cache = torch.randn(2, slots, kv_heads, dim, dtype=torch.bfloat16)
         k, v = cache[0], cache[1]
-        seen = slots if limit is None else limit
-        want = F.scaled_dot_product_attention(q[None, :, None].float(), k[:seen].transpose(0, 1)[None].float(),
-                                              v[:seen].transpose(0, 1)[None].float(), enable_gqa=True)[0, :, 0]
-        got = decode_attention(q, k, v, None if limit is None else torch.tensor([limit - 1]))
-        close(got, want, 2e-2)
+        want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k[:slot + 1].transpose(0, 1)[None].float(),
+                                              v[:slot + 1].transpose(0, 1)[None].float(), enable_gqa=True)[0]
+        close(slot_attention(q, k, v, torch.tensor([slot]), None), want.transpose(0, 1), 2e-2)
+    # ... tree tokens see the text and what their row of the region allows (float32 caches too).
+    for heads, kv_heads, dim, slots, length, tokens, region, dtype in (
+            (6, 2, 16, 300, 97, 5, 7, torch.bfloat16), (8, 2, 32, 1100, 1040, 12, 12, torch.float32),
+            (4, 4, 64, 64, 0, 3, 3, torch.bfloat16), (9, 3, 64, 2000, 33, 64, 64, torch.float32)):
+        q = torch.randn(tokens, heads, dim, dtype=dtype)
+        cache = torch.randn(2, slots, kv_heads, dim, dtype=dtype)
+        k, v = cache[0], cache[1]
+        rows = torch.rand(tokens, region) < 0.4
+        rows[torch.arange(tokens), torch.arange(tokens)] = True  # a token always sees itself
+        ctx = full_slot_context(KVCache(k, v), None, torch.tensor(length), torch.zeros(tokens), torch.zeros(tokens),
+                                rows, torch.arange(slots))
+        want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k.transpose(0, 1)[None].float(),
+                                              v.transpose(0, 1)[None].float(), attn_mask=ctx.mask[0], enable_gqa=True)[0]
+        close(slot_attention(q, k, v, torch.tensor(length), rows), want.transpose(0, 1), 2e-2)
 
     # A whole model: single-token steps fused against the unfused layers, eagerly (limit None)
     # and the way the CUDA graphs call it (full cache, device limit).
@@ -77,7 +89,8 @@ CHECK = textwrap.dedent("""
     model = Transformer(cfg).to(torch.bfloat16)
     for p in model.parameters():
         p.normal_(0, 0.3)
-    assert fused.attach(model, "fused", (device,)) == {"gemv_layers": 2 * 4 + 1, "fused_layers": 2}
+    assert fused.attach(model, "fused", (device,)) == {"gemv_layers": 2 * 4 + 1, "fused_layers": 2,
+                                                       "attention_layers": 2}
     cache = model.new_cache(80)
     prompt = torch.randint(97, (1, 70), device=device)
     model(prompt, make_context(cache, model.rotary, 0, torch.arange(70), None))
@@ -97,6 +110,14 @@ CHECK = textwrap.dedent("""
         close(written[1], cache.v[:, 0, 70], 3e-2)
     step = torch.compile(lambda t: model(t, contexts["graph"])[0], fullgraph=True)  # as the engine's graphs trace it
     close(step(token), want, 3e-2)
+    # A tree step as the graphs run it: the slot-attention kernel against SDPA over the masked cache.
+    rows = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    ctx = full_slot_context(cache, model.rotary, torch.tensor(70), torch.tensor([70, 71, 71, 72]), torch.arange(70, 74),
+                            rows, torch.arange(80))
+    got, _ = model(torch.tensor([[1, 2, 3, 4]]), ctx)
+    fused.attach(model, "off", (device,))
+    want, _ = model(torch.tensor([[1, 2, 3, 4]]), ctx)
+    close(got, want, 3e-2)
     print("kernels ok")
 """)
 
@@ -162,7 +183,7 @@ def tiny_config(**changes) -> ModelConfig:
 
 def test_attach_leaves_cpu_models_on_the_library_kernels():
     model = Transformer(tiny_config()).to(torch.bfloat16)
-    assert fused.attach(model, "fused") == {"gemv_layers": 0, "fused_layers": 0}  # CPU weights: nothing to route
+    assert fused.attach(model, "fused") == {"gemv_layers": 0, "fused_layers": 0, "attention_layers": 0}  # CPU weights: nothing to route
     assert all(m.gemv is None for m in model.modules() if isinstance(m, Linear))
 
 

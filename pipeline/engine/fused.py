@@ -15,8 +15,13 @@ matrices stream from memory, plus whatever each layer spends between them. Two l
   Layers the kernels do not cover (biases, other activations, no input norm, head sizes that are not
   a power of two) keep the gemv level.
 
-Trees and prefills stay on cuBLAS and SDPA; CPU models never change. `SPECPIPE_KERNELS` picks the
-level (fused, gemv, off). With TRITON_INTERPRET=1 the kernels run on CPU tensors: the tests do that.
+Steps with more tokens (trees, an EAGLE draft's passes) keep cuBLAS for their products, but their
+attention, like a single token's, goes through the slot-attention kernel whenever the CUDA graphs
+call it: it reads the accepted text and the step's own region of slots through the tree mask,
+instead of SDPA over every cache slot with a mask (42 us a layer for SmolLM2's 64-node trees, most
+of an EAGLE step). It serves every CUDA dtype. Prefills stay on SDPA; CPU models never change.
+`SPECPIPE_KERNELS` picks the level (fused, gemv, off; off also keeps SDPA for trees). With
+TRITON_INTERPRET=1 the kernels run on CPU tensors: the tests do that.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pipeline.engine.model import DecoderLayer, Linear, RMSNorm
+from pipeline.engine.model import Attention, DecoderLayer, Linear, RMSNorm
 from pipeline.errors import UserError
 
 if TYPE_CHECKING:
@@ -42,11 +47,13 @@ LEVELS = ("fused", "gemv", "off")
 BLOCK_ROWS = 2
 BLOCK_K = 1024
 NUM_WARPS = 4
-# Attention: each program walks a span of cache slots ATTENTION_CHUNK_SLOTS at a time; spans are
-# one chunk until the cache has more chunks than ATTENTION_MAX_SPLITS, so a short text already runs
-# on many SMs, and the merge of the spans' partial softmaxes stays one small tile per head.
-ATTENTION_CHUNK_SLOTS = 16
+# Attention: each program takes every splits-th chunk of ATTENTION_CHUNK_SLOTS slots below the step's
+# bound. Splits per (token, kv head) aim at ATTENTION_PROGRAMS programs in all (a few per SM: a
+# single token spreads its text over many SMs, a 64-node tree needs few splits), at most
+# ATTENTION_MAX_SPLITS so that the merge of the partial softmaxes stays one small tile per head.
+ATTENTION_CHUNK_SLOTS = 16  # 32 measured slower on the H200 (8.6 against 5.0 us a layer, 8B decode)
 ATTENTION_MAX_SPLITS = 64
+ATTENTION_PROGRAMS = 1024
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -58,10 +65,17 @@ def level() -> str:
 
 
 def attach(model: nn.Module, kernels: str | None = None, device_types: tuple[str, ...] = ("cuda",)) -> dict[str, int]:
-    """Route `model`'s single-token work through the kernels at `kernels` (default: the environment's
-    level). Returns how many Linear layers use the GEMV and how many decoder layers run fused.
+    """Route `model`'s single-token work, and the attention of its graph steps, through the kernels
+    at `kernels` (default: the environment's level). Returns how many Linear layers use the GEMV, how
+    many decoder layers run fused and how many attention layers read through slot_attention.
     Calling it again with another level re-routes (the benchmark compares levels on one model)."""
     kernels = kernels or level()
+    attentions = [m for m in model.modules() if isinstance(m, Attention) and m.qkv.weight.device.type in device_types]
+    slot_attention = None
+    if kernels != "off" and attentions:
+        from pipeline.engine.fused_kernels import slot_attention
+    for m in attentions:
+        m.slot_attention = slot_attention if power_of_two(m.head_size) else None
 
     def eligible(lin: Linear) -> bool:
         return lin.weight.device.type in device_types and lin.weight.dtype in HALF_DTYPES
@@ -76,7 +90,8 @@ def attach(model: nn.Module, kernels: str | None = None, device_types: tuple[str
     fused = [m for m in layers if kernels == "fused" and fusable(m)]
     for m in layers:
         m.fused = single_token_layer if m in fused else None
-    return {"gemv_layers": len(linears) if gemv else 0, "fused_layers": len(fused)}
+    return {"gemv_layers": len(linears) if gemv else 0, "fused_layers": len(fused),
+            "attention_layers": sum(m.slot_attention is not None for m in attentions)}
 
 
 def fusable(layer: DecoderLayer) -> bool:
@@ -84,22 +99,28 @@ def fusable(layer: DecoderLayer) -> bool:
     head = a.head_size
     return (isinstance(layer.input_layernorm, RMSNorm) and mlp.act is torch.nn.functional.silu
             and all(lin.bias is None for lin in (a.qkv, a.dense, mlp.fc_gate, mlp.proj))
-            and head & (head - 1) == 0)
+            and power_of_two(head))
+
+
+def power_of_two(n: int) -> bool:
+    return n & (n - 1) == 0
 
 
 def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContext", index: int) -> torch.Tensor:
     """DecoderLayer.forward for one token of one sequence (x [1, 1, H]): four GEMVs, rotary with the
     cache write, the two attention kernels, and what inductor makes of SiLU-and-multiply."""
-    from pipeline.engine.fused_kernels import decode_attention, gemv, rope_store
+    from pipeline.engine.fused_kernels import gemv, rope_store, slot_attention
 
     a, mlp = layer.attention, layer.mlp
     h = x.view(-1)
     qkv = gemv(h, a.qkv.weight, layer.input_layernorm.weight, layer.input_layernorm.eps)
     q = rope_store(qkv, ctx.rotary.cos, ctx.rotary.sin, ctx.positions.view(-1), ctx.slots.view(-1),
                    ctx.cache.k, ctx.cache.v, index, a.num_heads)
-    keys, values = ctx.cache.read(index, ctx.attn_len)
-    out = decode_attention(q.view(a.num_heads, a.head_size), keys[0], values[0],
-                           ctx.slots.view(-1))
+    # A graph step's token reads the text and what its region row allows (an EAGLE draft node: its
+    # ancestors); any other single token reads every slot up to its own.
+    length, rows = (ctx.slots.view(-1), None) if ctx.region is None else (ctx.length, ctx.region)
+    out = slot_attention(q.view(1, a.num_heads, a.head_size), ctx.cache.k[index, 0], ctx.cache.v[index, 0],
+                         length, rows)
     h = gemv(out.view(-1), a.dense.weight, residual=h)
     fc, gate = gemv(h, mlp.fc_gate.weight, layer.post_layernorm.weight, layer.post_layernorm.eps).chunk(2)
     return gemv(mlp.act(fc) * gate, mlp.proj.weight, residual=h).view_as(x)

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pipeline.engine.fused import ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_SPLITS, BLOCK_K, BLOCK_ROWS, NUM_WARPS
+from pipeline.engine.fused import (ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_SPLITS, ATTENTION_PROGRAMS, BLOCK_K,
+                                   BLOCK_ROWS, NUM_WARPS)
 
 
 @triton.jit
@@ -119,44 +120,50 @@ def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.T
 
 
 @triton.jit
-def _attention_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, m_ptr, l_ptr, o_ptr, num_slots, sm_scale,
-                            stride_slot, stride_head, num_splits, span,
+def _attention_split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_ptr, num_slots, region,
+                            sm_scale, stride_slot, stride_head, num_splits,
                             GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD: tl.constexpr,
-                            CHUNK: tl.constexpr, HAS_SLOT: tl.constexpr):
-    """One kv head's query group over one span of cache slots, CHUNK slots at a time with a running
-    softmax: the span's max, sum and unnormalised output per query head (flash-decoding's first
-    half). Only slots up to the token's own are read: a step costs the text's length, not the cache's.
-    Products and sums are float32 on CUDA cores: a decode step's attention is a few MFLOP, and a
-    group of a few query heads would fill a sixteen-row tensor-core tile mostly with padding."""
-    kv_head, split = tl.program_id(0), tl.program_id(1)
+                            CHUNK: tl.constexpr, REGION: tl.constexpr):
+    """One token's query group of one kv head over every num_splits-th chunk of the slots it may
+    see, CHUNK slots at a time with a running softmax: that share's max, sum and unnormalised output
+    per query head (flash-decoding's first half).
+
+    Visible: slots below the device length, and slot length + j when rows[token, j] (REGION), or
+    the token's own slot, length itself (not REGION). Nothing past length + region is read, so a
+    step costs the text's length, not the cache's; chunks are dealt out round-robin, so however
+    short the text, every split gets a share. Products and sums are float32 on CUDA cores: a step's
+    attention is a few MFLOP, and a group of a few query heads would mostly pad a tensor-core tile."""
+    token, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     group = tl.arange(0, GROUP_ROWS)
     dims = tl.arange(0, HEAD)
-    heads = kv_head * GROUP + group
     live = group < GROUP
-    q = tl.load(q_ptr + heads[:, None] * HEAD + dims[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    bound = num_slots
-    if HAS_SLOT:
-        bound = tl.minimum(tl.load(slot_ptr) + 1, num_slots)
-    start = split * span
-    stop = tl.minimum(start + span, bound)
+    query = token * tl.num_programs(1) * GROUP + kv_head * GROUP + group  # rows of q [T * H, D]
+    q = tl.load(q_ptr + query[:, None] * HEAD + dims[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    length = tl.load(length_ptr)
+    bound = tl.minimum(length + region, num_slots)
     peak = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
     total = tl.zeros((GROUP_ROWS,), tl.float32)
     acc = tl.zeros((GROUP_ROWS, HEAD), tl.float32)
-    for c0 in range(start, stop, CHUNK):
-        slots = c0 + tl.arange(0, CHUNK)
-        visible = slots < stop
+    for chunk in range(split, (bound + CHUNK - 1) // CHUNK, num_splits):
+        slots = chunk * CHUNK + tl.arange(0, CHUNK)
+        visible = slots < bound
+        if REGION:
+            rel = slots - length
+            seen = tl.load(rows_ptr + token * region + rel, mask=visible & (rel >= 0), other=0)
+            visible = (rel < 0) | (seen != 0)
         offsets = slots[:, None] * stride_slot + kv_head * stride_head + dims[None, :]
         keys = tl.load(k_ptr + offsets, mask=visible[:, None], other=0.0).to(tl.float32)
         values = tl.load(v_ptr + offsets, mask=visible[:, None], other=0.0).to(tl.float32)
         scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * sm_scale  # [GROUP_ROWS, CHUNK]
         scores = tl.where(visible[None, :], scores, float("-inf"))
-        top = tl.maximum(peak, tl.max(scores, axis=1))  # finite: every chunk has a visible slot
-        rescale = tl.exp(peak - top)
-        p = tl.exp(scores - top[:, None])
+        top = tl.maximum(peak, tl.max(scores, axis=1))
+        safe = tl.where(top == float("-inf"), 0.0, top)  # a chunk of a tree row can hide every slot
+        rescale = tl.exp(peak - safe)
+        p = tl.exp(scores - safe[:, None])
         total = total * rescale + tl.sum(p, axis=1)
         acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
         peak = top
-    rows = heads * num_splits + split
+    rows = query * num_splits + split
     tl.store(m_ptr + rows, peak, mask=live)
     tl.store(l_ptr + rows, total, mask=live)
     tl.store(o_ptr + rows[:, None] * HEAD + dims[None, :], acc, mask=live[:, None])
@@ -165,45 +172,48 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, m_ptr, l_ptr, o_ptr, 
 @triton.jit
 def _attention_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, num_splits,
                             HEAD: tl.constexpr, SPLIT_ROWS: tl.constexpr):
-    """One query head: the spans' partial softmaxes rescaled to a common max and summed."""
-    head = tl.program_id(0)
+    """One query row (token, head): the splits' partial softmaxes rescaled to a common max and summed."""
+    query = tl.program_id(0)
     splits = tl.arange(0, SPLIT_ROWS)
     dims = tl.arange(0, HEAD)
     live = splits < num_splits
-    rows = head * num_splits + splits
+    rows = query * num_splits + splits
     peak = tl.load(m_ptr + rows, mask=live, other=float("-inf"))
     top = tl.max(peak, axis=0)
     weight = tl.where(peak == float("-inf"), 0.0, tl.exp(peak - top))
     total = tl.sum(weight * tl.load(l_ptr + rows, mask=live, other=0.0), axis=0)
     parts = tl.load(o_ptr + rows[:, None] * HEAD + dims[None, :], mask=live[:, None], other=0.0)
     out = tl.sum(parts * weight[:, None], axis=0) / total
-    tl.store(out_ptr + head * HEAD + dims, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + query * HEAD + dims, out.to(out_ptr.dtype.element_ty))
 
 
-@torch.library.custom_op("specpipe::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
-    """One token's heads q [H, D] over cache slots k, v [S, Hkv, D] (slot rows may be strided):
-    softmax(q k^T / sqrt(D)) v over the slots up to the token's own, slot[0] (None: all S) -> [H, D]
-    in q's dtype."""
-    heads, head = q.shape
+@torch.library.custom_op("specpipe::slot_attention", mutates_args=())
+def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
+                   rows: torch.Tensor | None) -> torch.Tensor:
+    """Tokens' heads q [T, H, D] over cache slots k, v [S, Hkv, D] (slot rows may be strided):
+    softmax(q k^T / sqrt(D)) v in q's dtype, token t seeing slots below length[0] and slot
+    length[0] + j where rows[t, j] (rows [T, R] bool). rows None: one token at slot length[0],
+    seeing every slot up to its own."""
+    tokens, heads, head = q.shape
     slots, kv_heads = k.shape[0], k.shape[1]
-    group = heads // kv_heads
-    chunks = triton.cdiv(slots, ATTENTION_CHUNK_SLOTS)
-    span = ATTENTION_CHUNK_SLOTS * triton.cdiv(chunks, ATTENTION_MAX_SPLITS)
-    splits = triton.cdiv(slots, span)
-    m = torch.empty(heads * splits, dtype=torch.float32, device=q.device)
+    region = 1 if rows is None else rows.shape[1]
+    splits = max(1, min(ATTENTION_MAX_SPLITS, triton.cdiv(slots, ATTENTION_CHUNK_SLOTS),
+                        ATTENTION_PROGRAMS // (tokens * kv_heads)))
+    m = torch.empty(tokens * heads * splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    o = torch.empty(heads * splits, head, dtype=torch.float32, device=q.device)
-    _attention_split_kernel[(kv_heads, splits)](
-        q.contiguous(), k, v, k if slot is None else slot, m, l, o, slots, head ** -0.5,
-        k.stride(0), k.stride(1), splits, span, GROUP=group, GROUP_ROWS=triton.next_power_of_2(group),
-        HEAD=head, CHUNK=ATTENTION_CHUNK_SLOTS, HAS_SLOT=slot is not None)
+    o = torch.empty(tokens * heads * splits, head, dtype=torch.float32, device=q.device)
+    _attention_split_kernel[(tokens, kv_heads, splits)](
+        q.contiguous(), k, v, length, k if rows is None else rows.contiguous().view(torch.uint8), m, l, o, slots,
+        region, head ** -0.5, k.stride(0), k.stride(1), splits, GROUP=heads // kv_heads,
+        GROUP_ROWS=triton.next_power_of_2(heads // kv_heads), HEAD=head, CHUNK=ATTENTION_CHUNK_SLOTS,
+        REGION=rows is not None)
     out = torch.empty_like(q)
-    _attention_merge_kernel[(heads,)](m, l, o, out, splits, HEAD=head,
-                                      SPLIT_ROWS=max(2, triton.next_power_of_2(splits)))
+    _attention_merge_kernel[(tokens * heads,)](m, l, o, out, splits, HEAD=head,
+                                               SPLIT_ROWS=max(2, triton.next_power_of_2(splits)))
     return out
 
 
-@decode_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
+@slot_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
+      rows: torch.Tensor | None) -> torch.Tensor:
     return torch.empty_like(q)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeline.engine import onednn
+from pipeline.engine import fused, onednn
 from pipeline.engine.config import EngineDir, SpecConfig
 from pipeline.engine.draft_model import DraftModelProposer
 from pipeline.engine.eagle import Eagle3Net, EagleNet, EagleProposer
@@ -96,6 +96,8 @@ def _ready(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Mo
     module = module.to(device, dtype).eval()
     if device.type == "cpu":
         onednn.pack(module)
+    else:
+        fused.attach(module)
     return module
 
 

@@ -194,6 +194,9 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
+    # fused_kernels.slot_attention when fused.attach routed this layer's graph-step attention to it
+    slot_attention: Callable[..., torch.Tensor] | None = None
+
     def __init__(self, cfg: ModelConfig, in_features: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
@@ -204,6 +207,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.rotate_and_store(self.qkv(x), ctx, layer)
+        if self.slot_attention is not None and ctx.region is not None:  # reads only the slots in use
+            out = self.slot_attention(q[0], ctx.cache.k[layer, 0], ctx.cache.v[layer, 0], ctx.length, ctx.region)
+            return self.dense(out.view(b, t, -1))
         keys, values = ctx.cache.read(layer, ctx.attn_len)
         q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
         if q.is_cuda and self.num_kv_heads != self.num_heads and not ctx.is_causal:
@@ -284,6 +290,10 @@ class ForwardContext:
     mask: torch.Tensor | None  # [B, 1, T, attn_len] bool, True = may attend; None with is_causal or all-visible
     is_causal: bool
     rotary: Rotary
+    # full_slot_context's terms, for the kernel that reads only the slots in use (batch 1): the
+    # device length and the rows [T, R] of the region past it.
+    length: torch.Tensor | None = None
+    region: torch.Tensor | None = None
     # Every builder here lets a single new token see exactly the slots up to its own, which the
     # fused decode kernel relies on: it reads slots [0, slots[0, 0]] and needs no mask.
 
@@ -326,7 +336,8 @@ def full_slot_context(cache: KVCache, rotary: Rotary, length: torch.Tensor, posi
     rel = slot_ids - length
     in_region = (rel >= 0) & (rel < region)
     mask = (rel < 0) | (rows[:, rel.clamp(0, region - 1)] & in_region)  # [T, slots]
-    return ForwardContext(positions[None], slots[None], cache, cache.num_slots, mask[None, None], False, rotary)
+    return ForwardContext(positions[None], slots[None], cache, cache.num_slots, mask[None, None], False, rotary,
+                          length, rows)
 
 
 def decode_context(cache: KVCache, rotary: Rotary, lengths: torch.Tensor, attn_len: int) -> ForwardContext:
