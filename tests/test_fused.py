@@ -66,10 +66,12 @@ CHECK = textwrap.dedent("""
         want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k[:slot + 1].transpose(0, 1)[None].float(),
                                               v[:slot + 1].transpose(0, 1)[None].float(), enable_gqa=True)[0]
         close(slot_attention(q, k, v, torch.tensor([slot]), None), want.transpose(0, 1), 2e-2)
-    # ... tree tokens see the text and what their row of the region allows (float32 caches too).
+    # ... tree tokens see the text and what their row of the region allows, through tensor-core tiles.
+    # Triton's interpreter multiplies bf16 tiles as raw integers, so on the CPU only float32 runs.
+    half = torch.bfloat16 if device == "cuda" else torch.float32
     for heads, kv_heads, dim, slots, length, tokens, region, dtype in (
-            (6, 2, 16, 300, 97, 5, 7, torch.bfloat16), (8, 2, 32, 1100, 1040, 12, 12, torch.float32),
-            (4, 4, 64, 64, 0, 3, 3, torch.bfloat16), (9, 3, 64, 2000, 33, 64, 64, torch.float32)):
+            (6, 2, 16, 300, 97, 5, 7, half), (8, 2, 32, 1100, 1040, 12, 12, torch.float32),
+            (4, 4, 64, 64, 0, 3, 3, half), (9, 3, 64, 2000, 33, 64, 64, torch.float32), (32, 8, 128, 322, 128, 64, 64, half)):
         q = torch.randn(tokens, heads, dim, dtype=dtype)
         cache = torch.randn(2, slots, kv_heads, dim, dtype=dtype)
         k, v = cache[0], cache[1]
@@ -105,12 +107,16 @@ CHECK = textwrap.dedent("""
         fused.attach(model, "gemv", (device,))
         want, _ = model(token, ctx)
         fused.attach(model, "fused", (device,))
-        close(got, want, 3e-2)
+        close(got, want, 4e-2)  # as loose as the norm above: two bf16 residual sums and a norm apart
         close(written[0], cache.k[:, 0, 70], 3e-2)
         close(written[1], cache.v[:, 0, 70], 3e-2)
     step = torch.compile(lambda t: model(t, contexts["graph"])[0], fullgraph=True)  # as the engine's graphs trace it
     close(step(token), want, 3e-2)
-    # A tree step as the graphs run it: the slot-attention kernel against SDPA over the masked cache.
+    # A tree step as the graphs run it: the slot-attention kernel against SDPA over the masked cache
+    # (in float32 on the CPU, as above).
+    model = model.to(half)
+    cache = model.new_cache(80)
+    model(prompt, make_context(cache, model.rotary, 0, torch.arange(70), None))
     rows = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     ctx = full_slot_context(cache, model.rotary, torch.tensor(70), torch.tensor([70, 71, 71, 72]), torch.arange(70, 74),
                             rows, torch.arange(80))

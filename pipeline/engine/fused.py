@@ -54,6 +54,11 @@ NUM_WARPS = 4
 ATTENTION_CHUNK_SLOTS = 16  # 32 measured slower on the H200 (8.6 against 5.0 us a layer, 8B decode)
 ATTENTION_MAX_SPLITS = 64
 ATTENTION_PROGRAMS = 1024
+# Several tokens (trees, draft passes): tensor-core tiles of TREE_BLOCK_ROWS query rows (token, group
+# member) against TREE_BLOCK_SLOTS slots; tl.dot needs 16 rows at least.
+TREE_BLOCK_ROWS = 64
+TREE_BLOCK_SLOTS = 64
+TREE_MIN_ROWS = 16
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 

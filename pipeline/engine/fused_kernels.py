@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from pipeline.engine.fused import (ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_SPLITS, ATTENTION_PROGRAMS, BLOCK_K,
-                                   BLOCK_ROWS, NUM_WARPS)
+                                   BLOCK_ROWS, NUM_WARPS, TREE_BLOCK_ROWS, TREE_BLOCK_SLOTS, TREE_MIN_ROWS)
 
 
 @triton.jit
@@ -170,6 +170,58 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_
 
 
 @triton.jit
+def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_ptr, num_slots, region,
+                           tokens, sm_scale, stride_slot, stride_head, num_splits,
+                           GROUP: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           IEEE: tl.constexpr):
+    """The split kernel for several tokens: one kv head's query rows (token, group member) in
+    tiles of BLOCK_M against every num_splits-th block of BLOCK_N slots, both products on tensor
+    cores (a 64-node tree of an 8B model has 256 query rows a kv head, which CUDA cores took ~100 us
+    a layer for). Same visibility and partial outputs as _attention_split_kernel with REGION."""
+    tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = r // GROUP
+    live = token < tokens
+    query = token * tl.num_programs(1) * GROUP + kv_head * GROUP + r % GROUP  # rows of q [T * H, D]
+    dims = tl.arange(0, HEAD)
+    q = tl.load(q_ptr + query[:, None] * HEAD + dims[None, :], mask=live[:, None], other=0.0)
+    length = tl.load(length_ptr)
+    bound = tl.minimum(length + region, num_slots)
+    peak = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD), tl.float32)
+    for block in range(split, (bound + BLOCK_N - 1) // BLOCK_N, num_splits):
+        slots = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = slots < bound
+        base = slots * stride_slot + kv_head * stride_head
+        keys = tl.load(k_ptr + base[None, :] + dims[:, None], mask=inside[None, :], other=0.0)  # [HEAD, BLOCK_N]
+        if IEEE:  # float32 models: no TF32 rounding in the scores
+            scores = tl.dot(q, keys, input_precision="ieee") * sm_scale
+        else:
+            scores = tl.dot(q, keys) * sm_scale
+        rel = slots - length
+        seen = tl.load(rows_ptr + token[:, None] * region + rel[None, :],
+                       mask=live[:, None] & (inside & (rel >= 0))[None, :], other=0)
+        visible = ((rel < 0) & inside)[None, :] | (seen != 0)
+        scores = tl.where(visible, scores, float("-inf"))
+        top = tl.maximum(peak, tl.max(scores, axis=1))
+        safe = tl.where(top == float("-inf"), 0.0, top)
+        rescale = tl.exp(peak - safe)
+        p = tl.exp(scores - safe[:, None])
+        total = total * rescale + tl.sum(p, axis=1)
+        values = tl.load(v_ptr + base[:, None] + dims[None, :], mask=inside[:, None], other=0.0)  # [BLOCK_N, HEAD]
+        if IEEE:
+            acc = acc * rescale[:, None] + tl.dot(p, values, input_precision="ieee")
+        else:
+            acc = acc * rescale[:, None] + tl.dot(p.to(values.dtype), values)
+        peak = top
+    out = query * num_splits + split
+    tl.store(m_ptr + out, peak, mask=live)
+    tl.store(l_ptr + out, total, mask=live)
+    tl.store(o_ptr + out[:, None] * HEAD + dims[None, :], acc, mask=live[:, None])
+
+
+@triton.jit
 def _attention_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, num_splits,
                             HEAD: tl.constexpr, SPLIT_ROWS: tl.constexpr):
     """One query row (token, head): the splits' partial softmaxes rescaled to a common max and summed."""
@@ -196,17 +248,28 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
     seeing every slot up to its own."""
     tokens, heads, head = q.shape
     slots, kv_heads = k.shape[0], k.shape[1]
+    group = heads // kv_heads
+    assert rows is not None or tokens == 1, "several tokens need their rows of the region"
     region = 1 if rows is None else rows.shape[1]
-    splits = max(1, min(ATTENTION_MAX_SPLITS, triton.cdiv(slots, ATTENTION_CHUNK_SLOTS),
-                        ATTENTION_PROGRAMS // (tokens * kv_heads)))
+    if tokens == 1:  # one token's few query heads: CUDA cores, one tile per kv head
+        block_m, tiles, block = 0, 1, ATTENTION_CHUNK_SLOTS
+    else:  # query rows in tensor-core tiles of 16 rows at least
+        block_m = max(TREE_MIN_ROWS, min(TREE_BLOCK_ROWS, triton.next_power_of_2(tokens * group)))
+        tiles, block = triton.cdiv(tokens * group, block_m), TREE_BLOCK_SLOTS
+    splits = max(1, min(ATTENTION_MAX_SPLITS, triton.cdiv(slots, block), ATTENTION_PROGRAMS // (tiles * kv_heads)))
     m = torch.empty(tokens * heads * splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     o = torch.empty(tokens * heads * splits, head, dtype=torch.float32, device=q.device)
-    _attention_split_kernel[(tokens, kv_heads, splits)](
-        q.contiguous(), k, v, length, k if rows is None else rows.contiguous().view(torch.uint8), m, l, o, slots,
-        region, head ** -0.5, k.stride(0), k.stride(1), splits, GROUP=heads // kv_heads,
-        GROUP_ROWS=triton.next_power_of_2(heads // kv_heads), HEAD=head, CHUNK=ATTENTION_CHUNK_SLOTS,
-        REGION=rows is not None)
+    args = (q.contiguous(), k, v, length, k if rows is None else rows.contiguous().view(torch.uint8), m, l, o, slots,
+            region)
+    if tokens == 1:
+        _attention_split_kernel[(1, kv_heads, splits)](
+            *args, head ** -0.5, k.stride(0), k.stride(1), splits, GROUP=group,
+            GROUP_ROWS=triton.next_power_of_2(group), HEAD=head, CHUNK=block, REGION=rows is not None)
+    else:
+        _tree_attention_kernel[(tiles, kv_heads, splits)](
+            *args, tokens, head ** -0.5, k.stride(0), k.stride(1), splits, GROUP=group, HEAD=head,
+            BLOCK_M=block_m, BLOCK_N=block, IEEE=q.dtype == torch.float32)
     out = torch.empty_like(q)
     _attention_merge_kernel[(tokens * heads,)](m, l, o, out, splits, HEAD=head,
                                                SPLIT_ROWS=max(2, triton.next_power_of_2(splits)))
