@@ -121,11 +121,8 @@ def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContex
     qkv = gemv(h, a.qkv.weight, layer.input_layernorm.weight, layer.input_layernorm.eps)
     q = rope_store(qkv, ctx.rotary.cos, ctx.rotary.sin, ctx.positions.view(-1), ctx.slots.view(-1),
                    ctx.cache.k, ctx.cache.v, index, a.num_heads)
-    # A graph step's token reads the text and what its region row allows (an EAGLE draft node: its
-    # ancestors); any other single token reads every slot up to its own.
-    length, rows = (ctx.slots.view(-1), None) if ctx.region is None else (ctx.length, ctx.region)
     out = slot_attention(q.view(1, a.num_heads, a.head_size), ctx.cache.k[index, 0], ctx.cache.v[index, 0],
-                         length, rows)
+                         *ctx.visible_slots())
     h = gemv(out.view(-1), a.dense.weight, residual=h)
     fc, gate = gemv(h, mlp.fc_gate.weight, layer.post_layernorm.weight, layer.post_layernorm.eps).chunk(2)
     return gemv(mlp.act(fc) * gate, mlp.proj.weight, residual=h).view_as(x)

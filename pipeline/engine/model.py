@@ -208,7 +208,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q = self.rotate_and_store(self.qkv(x), ctx, layer)
         if self.slot_attention is not None and ctx.region is not None:  # reads only the slots in use
-            out = self.slot_attention(q[0], ctx.cache.k[layer, 0], ctx.cache.v[layer, 0], ctx.length, ctx.region)
+            out = self.slot_attention(q[0], ctx.cache.k[layer, 0], ctx.cache.v[layer, 0], *ctx.visible_slots())
             return self.dense(out.view(b, t, -1))
         keys, values = ctx.cache.read(layer, ctx.attn_len)
         q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
@@ -294,6 +294,13 @@ class ForwardContext:
     # device length and the rows [T, R] of the region past it.
     length: torch.Tensor | None = None
     region: torch.Tensor | None = None
+
+    def visible_slots(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(length, rows) for fused_kernels.slot_attention. One token whose region is its own slot
+        (every decode step) reads every slot up to that one: (its slot, None), no mask to load."""
+        if self.region is None or (self.region.shape == (1, 1)):
+            return self.slots.view(-1)[:1], None
+        return self.length, self.region
     # Every builder here lets a single new token see exactly the slots up to its own, which the
     # fused decode kernel relies on: it reads slots [0, slots[0, 0]] and needs no mask.
 
