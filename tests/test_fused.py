@@ -66,12 +66,14 @@ CHECK = textwrap.dedent("""
         want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k[:slot + 1].transpose(0, 1)[None].float(),
                                               v[:slot + 1].transpose(0, 1)[None].float(), enable_gqa=True)[0]
         close(slot_attention(q, k, v, torch.tensor([slot]), None), want.transpose(0, 1), 2e-2)
-    # ... tree tokens see the text and what their row of the region allows, through tensor-core tiles.
+    # ... tree tokens see the text and what their row of the region allows, through tensor-core tiles
+    # (a single token with a wider region, an EAGLE level of one node, stays on CUDA cores).
     # Triton's interpreter multiplies bf16 tiles as raw integers, so on the CPU only float32 runs.
     half = torch.bfloat16 if device == "cuda" else torch.float32
     for heads, kv_heads, dim, slots, length, tokens, region, dtype in (
             (6, 2, 16, 300, 97, 5, 7, half), (8, 2, 32, 1100, 1040, 12, 12, torch.float32),
-            (4, 4, 64, 64, 0, 3, 3, half), (9, 3, 64, 2000, 33, 64, 64, torch.float32), (32, 8, 128, 322, 128, 64, 64, half)):
+            (4, 4, 64, 64, 0, 3, 3, half), (9, 3, 64, 2000, 33, 64, 64, torch.float32), (32, 8, 128, 322, 128, 64, 64, half),
+            (6, 2, 16, 300, 97, 1, 5, half), (4, 4, 64, 1100, 1040, 1, 9, torch.float32)):  # one draft node
         q = torch.randn(tokens, heads, dim, dtype=dtype)
         cache = torch.randn(2, slots, kv_heads, dim, dtype=dtype)
         k, v = cache[0], cache[1]

@@ -121,49 +121,50 @@ def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.T
 
 @triton.jit
 def _attention_split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_ptr, num_slots, region,
-                            sm_scale, stride_slot, stride_head, num_splits,
+                            sm_scale, stride_slot, stride_head, num_splits, span,
                             GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD: tl.constexpr,
                             CHUNK: tl.constexpr, REGION: tl.constexpr):
-    """One token's query group of one kv head over every num_splits-th chunk of the slots it may
-    see, CHUNK slots at a time with a running softmax: that share's max, sum and unnormalised output
-    per query head (flash-decoding's first half).
+    """One token's query group of one kv head over one span of cache slots, CHUNK slots at a time
+    with a running softmax: the span's max, sum and unnormalised output per query head
+    (flash-decoding's first half).
 
-    Visible: slots below the device length, and slot length + j when rows[token, j] (REGION), or
-    the token's own slot, length itself (not REGION). Nothing past length + region is read, so a
-    step costs the text's length, not the cache's; chunks are dealt out round-robin, so however
-    short the text, every split gets a share. Products and sums are float32 on CUDA cores: a step's
+    Visible: slots below the device length, and slot length + j where rows[0, j] (REGION), or the
+    token's own slot, length itself (not REGION). Nothing past length + region is read, so a step
+    costs the text's length, not the cache's. Products and sums are float32 on CUDA cores: a step's
     attention is a few MFLOP, and a group of a few query heads would mostly pad a tensor-core tile."""
-    token, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_head, split = tl.program_id(0), tl.program_id(1)
     group = tl.arange(0, GROUP_ROWS)
     dims = tl.arange(0, HEAD)
+    heads = kv_head * GROUP + group
     live = group < GROUP
-    query = token * tl.num_programs(1) * GROUP + kv_head * GROUP + group  # rows of q [T * H, D]
-    q = tl.load(q_ptr + query[:, None] * HEAD + dims[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + heads[:, None] * HEAD + dims[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     length = tl.load(length_ptr)
-    bound = tl.minimum(length + region, num_slots)
+    start = split * span
+    stop = tl.minimum(start + span, tl.minimum(length + region, num_slots))
     peak = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
     total = tl.zeros((GROUP_ROWS,), tl.float32)
     acc = tl.zeros((GROUP_ROWS, HEAD), tl.float32)
-    for chunk in range(split, (bound + CHUNK - 1) // CHUNK, num_splits):
-        slots = chunk * CHUNK + tl.arange(0, CHUNK)
-        visible = slots < bound
+    for c0 in range(start, stop, CHUNK):
+        slots = c0 + tl.arange(0, CHUNK)
+        visible = slots < stop
         if REGION:
             rel = slots - length
-            seen = tl.load(rows_ptr + token * region + rel, mask=visible & (rel >= 0), other=0)
-            visible = (rel < 0) | (seen != 0)
+            seen = tl.load(rows_ptr + rel, mask=visible & (rel >= 0), other=0)
+            visible = visible & ((rel < 0) | (seen != 0))
         offsets = slots[:, None] * stride_slot + kv_head * stride_head + dims[None, :]
         keys = tl.load(k_ptr + offsets, mask=visible[:, None], other=0.0).to(tl.float32)
         values = tl.load(v_ptr + offsets, mask=visible[:, None], other=0.0).to(tl.float32)
         scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * sm_scale  # [GROUP_ROWS, CHUNK]
         scores = tl.where(visible[None, :], scores, float("-inf"))
         top = tl.maximum(peak, tl.max(scores, axis=1))
-        safe = tl.where(top == float("-inf"), 0.0, top)  # a chunk of a tree row can hide every slot
-        rescale = tl.exp(peak - safe)
-        p = tl.exp(scores - safe[:, None])
+        if REGION:  # a region row can hide a whole chunk; otherwise every chunk has a visible slot
+            top = tl.where(top == float("-inf"), 0.0, top)
+        rescale = tl.exp(peak - top)
+        p = tl.exp(scores - top[:, None])
         total = total * rescale + tl.sum(p, axis=1)
         acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
         peak = top
-    rows = query * num_splits + split
+    rows = heads * num_splits + split
     tl.store(m_ptr + rows, peak, mask=live)
     tl.store(l_ptr + rows, total, mask=live)
     tl.store(o_ptr + rows[:, None] * HEAD + dims[None, :], acc, mask=live[:, None])
@@ -171,7 +172,7 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_
 
 @triton.jit
 def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_ptr, num_slots, region,
-                           tokens, sm_scale, stride_slot, stride_head, num_splits,
+                           sm_scale, stride_slot, stride_head, num_splits, tokens,
                            GROUP: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            IEEE: tl.constexpr):
     """The split kernel for several tokens: one kv head's query rows (token, group member) in
@@ -251,25 +252,27 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
     group = heads // kv_heads
     assert rows is not None or tokens == 1, "several tokens need their rows of the region"
     region = 1 if rows is None else rows.shape[1]
-    if tokens == 1:  # one token's few query heads: CUDA cores, one tile per kv head
-        block_m, tiles, block = 0, 1, ATTENTION_CHUNK_SLOTS
-    else:  # query rows in tensor-core tiles of 16 rows at least
+    if tokens == 1:  # one token's few query heads on CUDA cores; spans of whole chunks, at most MAX_SPLITS
+        span = ATTENTION_CHUNK_SLOTS * triton.cdiv(triton.cdiv(slots, ATTENTION_CHUNK_SLOTS), ATTENTION_MAX_SPLITS)
+        splits = triton.cdiv(slots, span)
+    else:  # query rows in tensor-core tiles of 16 rows at least; blocks dealt round-robin to the splits
         block_m = max(TREE_MIN_ROWS, min(TREE_BLOCK_ROWS, triton.next_power_of_2(tokens * group)))
-        tiles, block = triton.cdiv(tokens * group, block_m), TREE_BLOCK_SLOTS
-    splits = max(1, min(ATTENTION_MAX_SPLITS, triton.cdiv(slots, block), ATTENTION_PROGRAMS // (tiles * kv_heads)))
+        tiles = triton.cdiv(tokens * group, block_m)
+        splits = max(1, min(ATTENTION_MAX_SPLITS, triton.cdiv(slots, TREE_BLOCK_SLOTS),
+                            ATTENTION_PROGRAMS // (tiles * kv_heads)))
     m = torch.empty(tokens * heads * splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     o = torch.empty(tokens * heads * splits, head, dtype=torch.float32, device=q.device)
     args = (q.contiguous(), k, v, length, k if rows is None else rows.contiguous().view(torch.uint8), m, l, o, slots,
-            region)
+            region, head ** -0.5, k.stride(0), k.stride(1), splits)
     if tokens == 1:
-        _attention_split_kernel[(1, kv_heads, splits)](
-            *args, head ** -0.5, k.stride(0), k.stride(1), splits, GROUP=group,
-            GROUP_ROWS=triton.next_power_of_2(group), HEAD=head, CHUNK=block, REGION=rows is not None)
+        _attention_split_kernel[(kv_heads, splits)](
+            *args, span, GROUP=group, GROUP_ROWS=triton.next_power_of_2(group), HEAD=head,
+            CHUNK=ATTENTION_CHUNK_SLOTS, REGION=rows is not None)
     else:
         _tree_attention_kernel[(tiles, kv_heads, splits)](
-            *args, tokens, head ** -0.5, k.stride(0), k.stride(1), splits, GROUP=group, HEAD=head,
-            BLOCK_M=block_m, BLOCK_N=block, IEEE=q.dtype == torch.float32)
+            *args, tokens, GROUP=group, HEAD=head, BLOCK_M=block_m, BLOCK_N=TREE_BLOCK_SLOTS,
+            IEEE=q.dtype == torch.float32)
     out = torch.empty_like(q)
     _attention_merge_kernel[(tokens * heads,)](m, l, o, out, splits, HEAD=head,
                                                SPLIT_ROWS=max(2, triton.next_power_of_2(splits)))
