@@ -20,8 +20,8 @@ from torch import nn
 from pipeline.engine.acceptance import Acceptance
 from pipeline.engine.config import DynamicTreeConfig
 from pipeline.engine.graphs import CapturedStep, Compiled
-from pipeline.engine.model import (Attention, DecoderLayer, ForwardContext, KVCache, MLP, ModelConfig, RMSNorm,
-                                   Rotary, full_slot_context, make_context)
+from pipeline.engine.model import (Attention, DecoderLayer, ForwardContext, KVCache, Linear, MLP, ModelConfig,
+                                   RMSNorm, Rotary, full_slot_context, make_context)
 from pipeline.engine.speculative import StepInput, TargetPass
 from pipeline.engine.tree import DraftTree, TreeBuffers, ancestor_mask
 
@@ -38,9 +38,9 @@ class EagleNet(nn.Module):
         self.cfg = cfg
         self.num_cache_layers = cfg.num_layers
         self.vocab_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
+        self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(cfg, input_norm=i > 0) for i in range(cfg.num_layers))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
 
     def target_features(self, target: TargetPass) -> torch.Tensor:
@@ -82,10 +82,10 @@ class Eagle3Net(nn.Module):
         self.num_cache_layers = 1
         self.capture_layers = capture_layers
         self.vocab_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.fc = nn.Linear(len(capture_layers) * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
+        self.fc = Linear(len(capture_layers) * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
         self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
-        self.lm_head = nn.Linear(cfg.hidden_size, draft_vocab, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, draft_vocab, bias=False)
         # target id = draft id + d2t[draft id]; zeros when the draft keeps the target vocabulary.
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.identity_vocab = draft_vocab == cfg.vocab_size  # host flag: no data-dependent branch in a graph

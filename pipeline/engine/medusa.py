@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pipeline.engine.acceptance import Acceptance
-from pipeline.engine.model import SUPPORTED_ACTIVATIONS
+from pipeline.engine.model import SUPPORTED_ACTIVATIONS, Linear
 from pipeline.engine.speculative import StepInput, TargetPass
 from pipeline.engine.tree import DraftTree, TreeBuffers
 
@@ -19,7 +19,7 @@ from pipeline.engine.tree import DraftTree, TreeBuffers
 class ResBlock(nn.Module):
     def __init__(self, hidden: int, act: str):
         super().__init__()
-        self.linear = nn.Linear(hidden, hidden)
+        self.linear = Linear(hidden, hidden)
         self.act = SUPPORTED_ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,7 @@ class MedusaHead(nn.Module):
     def __init__(self, hidden: int, vocab: int, num_layers: int, act: str):
         super().__init__()
         self.medusa_layers = nn.ModuleList(ResBlock(hidden, act) for _ in range(num_layers))
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.lm_head = Linear(hidden, vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.medusa_layers:
