@@ -53,11 +53,11 @@ NUM_WARPS = 4
 # (Dealing chunks round-robin to 64 splits measured 5.7 against 5.0 us a layer, 8B decode, H200.)
 ATTENTION_CHUNK_SLOTS = 16  # 32 measured slower on the H200 (8.6 against 5.0 us a layer, 8B decode)
 ATTENTION_MAX_SPLITS = 64
-# Several tokens: splits per (query tile, kv head) aim at ATTENTION_PROGRAMS programs in all (a few per
-# SM), each taking every splits-th block of slots below the step's bound, however short the text.
-ATTENTION_PROGRAMS = 1024
 # Several tokens (trees, draft passes): tensor-core tiles of TREE_BLOCK_ROWS query rows (token, group
-# member) against TREE_BLOCK_SLOTS slots; tl.dot needs 16 rows at least.
+# member) against TREE_BLOCK_SLOTS slots (tl.dot needs 16 rows at least). Splits per (tile, kv head)
+# aim at ATTENTION_PROGRAMS programs in all, a few per SM, each taking every splits-th block of slots
+# below the step's bound, so that however short the text every split gets a share.
+ATTENTION_PROGRAMS = 1024
 TREE_BLOCK_ROWS = 64
 TREE_BLOCK_SLOTS = 64
 TREE_MIN_ROWS = 16
