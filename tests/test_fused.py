@@ -20,6 +20,7 @@ from pipeline.errors import UserError
 ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = textwrap.dedent("""
+    import dataclasses
     import os
     import torch
     import torch.nn.functional as F
@@ -126,6 +127,35 @@ CHECK = textwrap.dedent("""
     fused.attach(model, "off", (device,))
     want, _ = model(torch.tensor([[1, 2, 3, 4]]), ctx)
     close(got, want, 3e-2)
+
+    # EAGLE drafting through the kernel: the catch-up's causal rows, a dynamic tree's frontier rows and
+    # a static tree's one-node level (a single token with a wider region) give the draft network the
+    # outputs SDPA gives it, pass for pass.
+    from pipeline.bench.speed import _IdsOnly
+    from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig
+    from pipeline.engine.eagle import EagleNet, EagleProposer
+    from pipeline.engine.runner import Engine
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.engine.tree import build_tree
+
+    target = Transformer(cfg).float()
+    net = EagleNet(dataclasses.replace(cfg, num_layers=1)).float()
+    for p in [*target.parameters(), *net.parameters()]:
+        p.normal_(0, 0.3)
+    passes = {}
+    net.register_forward_hook(lambda module, args, out: passes[kernels].append(out.clone()))
+    for tree, dynamic, nodes in ((build_tree([[0], [1], [0, 0], [0, 0, 0]]), None, 4),
+                                 (None, DynamicTreeConfig(top_k=3, depth=3, max_non_leaves_per_layer=2), 6)):
+        for kernels in ("off", "fused"):
+            assert fused.attach(net, kernels, (device,))["attention_layers"] == (kernels == "fused")
+            passes[kernels] = []
+            proposer = EagleProposer(net, 200, tree.to(device) if tree else None, dynamic, nodes)
+            engine = Engine(target, _IdsOnly(), EngineLimits(1, 16, 160, nodes), SpecConfig(), proposer)
+            engine.generate(list(range(1, 13)), SamplingParams(max_tokens=10, end_id=-1))
+        assert len(passes["off"]) == len(passes["fused"]) > 10
+        assert tree is None or any(x.shape[1] == 1 for x in passes["off"])  # the static tree's one-node level
+        for got, want in zip(passes["fused"], passes["off"]):
+            close(got, want, 1e-4)
     print("kernels ok")
 """)
 
