@@ -9,9 +9,18 @@ DTYPE ?= float32
 # The default engine speculates with the trained EAGLE draft and EAGLE-2 dynamic trees; DRAFT= builds plain.
 DRAFT ?= eagle:drafts/smollm2-eagle
 EAGLE_CONVERT_FLAGS ?= --num-eagle-layers 6
-EAGLE_BUILD_FLAGS ?= --dynamic-tree --dynamic-top-k 8 --dynamic-depth 6 --max-draft-len 48
-# EAGLE-3: the dynamic tree that measured best on the H200 (BENCHMARKS.md §2, `eagle3-deep`: 63 nodes)
-EAGLE3_BUILD_FLAGS ?= --dynamic-tree --dynamic-depth 7 --dynamic-top-k 10
+# Where serve and demo run the portable engine (cpu or cuda); the EAGLE trees follow it. On 2 CPU cores a
+# pass over a large tree costs several plain steps, so 6 nodes (BENCHMARKS.md §6: 1.09x plain for EAGLE,
+# 1.16x for EAGLE-3, against 0.5x with the GPU trees); on a GPU a 64-node tree costs little more than one
+# token (§2: EAGLE-3's `eagle3-deep`, 63 nodes, measured best on the H200).
+DEVICE ?= cpu
+EAGLE_BUILD_FLAGS_cpu := --dynamic-tree --dynamic-top-k 4 --dynamic-depth 2 --max-draft-len 5
+EAGLE_BUILD_FLAGS_cuda := --dynamic-tree --dynamic-top-k 8 --dynamic-depth 6 --max-draft-len 48
+EAGLE3_BUILD_FLAGS_cpu := $(EAGLE_BUILD_FLAGS_cpu)
+EAGLE3_BUILD_FLAGS_cuda := --dynamic-tree --dynamic-depth 7 --dynamic-top-k 10
+EAGLE_BUILD_FLAGS ?= $(EAGLE_BUILD_FLAGS_$(DEVICE))
+EAGLE3_BUILD_FLAGS ?= $(EAGLE3_BUILD_FLAGS_$(DEVICE))
+$(if $(EAGLE_BUILD_FLAGS_$(DEVICE)),,$(error DEVICE=$(DEVICE): use cpu or cuda))
 ENGINES := engines
 STAMP := $(VENV)/.installed
 
@@ -90,7 +99,7 @@ VERIFY_MAX_TOKENS ?= 32
 
 triton-repo: setup
 	test -f $(ENGINE)/config.json || $(MAKE) build-engines TARGET=$(TARGET) DRAFT=$(DRAFT)
-	$(SPECPIPE) triton-repo --engine $(ENGINE) --output $(REPO)
+	$(SPECPIPE) triton-repo --engine $(ENGINE) --output $(REPO) --device $(DEVICE)
 
 # Runs until Ctrl-C; OPENAI_PORT=P also serves the OpenAI-compatible API.
 serve: triton-repo
