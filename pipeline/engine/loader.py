@@ -8,14 +8,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeline.engine import fused, onednn
 from pipeline.engine.config import EngineDir, SpecConfig
 from pipeline.engine.draft_model import DraftModelProposer
 from pipeline.engine.eagle import Eagle3Net, EagleNet, EagleProposer
 from pipeline.engine.medusa import MedusaProposer, medusa_heads
 from pipeline.engine.model import ModelConfig, Transformer
 from pipeline.engine.ngram import NgramProposer
-from pipeline.engine.runner import Engine
+from pipeline.engine.runner import Engine, prepare_kernels
 from pipeline.engine.speculative import Proposer
 from pipeline.engine.tree import build_tree
 from pipeline.engine.weights import engine_state_dict, load_into
@@ -94,10 +93,7 @@ def max_positions(engine: EngineDir) -> int:
 
 def _ready(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
     module = module.to(device, dtype).eval()
-    if device.type == "cpu":
-        onednn.pack(module)
-    else:
-        fused.attach(module)
+    prepare_kernels(module)
     return module
 
 

@@ -297,12 +297,11 @@ class ForwardContext:
 
     def visible_slots(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(length, rows) for fused_kernels.slot_attention. One token whose region is its own slot
-        (every decode step) reads every slot up to that one: (its slot, None), no mask to load."""
-        if self.region is None or (self.region.shape == (1, 1)):
+        (every decode step), or a context without a region, reads every slot up to its own: (its
+        slot, None), no mask to load. Every builder here lets a single token see exactly those."""
+        if self.region is None or self.region.shape == (1, 1):
             return self.slots.view(-1)[:1], None
         return self.length, self.region
-    # Every builder here lets a single new token see exactly the slots up to its own, which the
-    # fused decode kernel relies on: it reads slots [0, slots[0, 0]] and needs no mask.
 
 
 def attention_mask(prefix_len: int, tree_mask: torch.Tensor, attn_len: int) -> torch.Tensor:

@@ -37,6 +37,15 @@ RUN_AHEAD_STEPS = 8  # a few steps: the first step of each graph size compiles a
 
 __all__ = ["Engine", "GenerationResult", "RequestError", "SamplingParams", "StreamChunk", "SpecStats"]
 
+def prepare_kernels(module: torch.nn.Module) -> None:
+    """Route a loaded network's products and attention to this device's kernels: oneDNN with
+    prepacked weights on the CPU, our Triton kernels on CUDA (targets and drafts alike)."""
+    if next(module.parameters()).device.type == "cpu":
+        onednn.pack(module)
+    else:
+        fused.attach(module)
+
+
 class Engine:
     def __init__(self, target: Transformer, tokenizer, limits: EngineLimits, spec: SpecConfig,
                  proposer: Proposer | None = None):
@@ -54,10 +63,8 @@ class Engine:
         # CUDA graphs for decode and verification steps; the CPU path stays eager. Set to None to
         # run a CUDA engine eagerly (the benchmark does, to show what the graphs buy).
         self.graphs: GraphedTarget | None = None
-        if self.device.type == "cpu":
-            onednn.pack(target)
+        prepare_kernels(target)  # before capture: the graphs record whichever kernels the layers call
         if self.device.type == "cuda":
-            fused.attach(target)  # before capture: the graphs record whichever kernels the layers call
             self.graphs = GraphedTarget(target, self.cache, self.proposer.capture_layers)
         # Plain engines decode in the batcher (batch 1 included); the device runs ahead of the host
         # by this many greedy steps (1 on the CPU, where the host is the device anyway).
