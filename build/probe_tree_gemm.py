@@ -87,7 +87,11 @@ def main() -> None:
             ref = F.linear(x.float(), ws[0].float())
             times = {}
             for config in SWEEP:
-                tree_gemm(x, ws[0], y, *config)
+                try:
+                    tree_gemm(x, ws[0], y, *config)
+                except triton.runtime.errors.OutOfResources:  # the tile's pipeline exceeds shared memory
+                    per_config[config] = float("inf")
+                    continue
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 assert err < 2e-2, (name, m, config, err)
                 times[config] = timed(lambda i, c=config: tree_gemm(x, ws[i % copies], y, *c))

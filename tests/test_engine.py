@@ -202,9 +202,10 @@ def test_compiled_steps_trace_whole_and_match_eager():
 
     from pipeline.engine.config import DynamicTreeConfig
     from pipeline.engine.eagle import EagleNet, EagleProposer
-    from pipeline.engine.graphs import Compiled
+    from pipeline.engine.graphs import Compiled, GraphedTarget
     from pipeline.engine.model import ModelConfig, Transformer, full_slot_context, make_context
     from pipeline.engine.speculative import TargetPass
+    from pipeline.engine.tree import MC_SIM_7B_63, build_tree
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_size=8,
@@ -227,6 +228,17 @@ def test_compiled_steps_trace_whole_and_match_eager():
         token, position, mask = torch.tensor([7]), torch.tensor([n]), torch.ones(1, 1, dtype=torch.bool)
         torch.testing.assert_close(compiled(token, position, mask), step(token, position, mask), rtol=1e-5, atol=1e-5)
         assert compiled.compiled is not None
+
+        # A greedy verification step: the pass, the argmax and the acceptance in one compiled function.
+        graphed = GraphedTarget(target, cache, (), compile=True)
+        graphed.length.fill_(n)
+        tree = build_tree(MC_SIM_7B_63[:7])
+        draft = (torch.randint(cfg.vocab_size, (tree.num_nodes,)), tree.parents, tree.depths, tree.mask, tree.max_depth)
+        eager = graphed._greedy_verify(*draft)
+        got = graphed.greedy_verify(*draft)
+        assert graphed.greedy_verify.compiled is not None
+        torch.testing.assert_close(got[0], eager[0], rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(got[2:], eager[2:]))
 
         net = EagleNet(replace(cfg, num_layers=1)).eval()
         proposer = EagleProposer(net, 128, None, DynamicTreeConfig(top_k=4, depth=3, max_non_leaves_per_layer=4), 10)

@@ -18,6 +18,7 @@ from conftest import convert_and_build, stream_by_run_ahead
 from pipeline.convert.tiny import make_random_eagle, make_random_eagle3, make_random_medusa, make_tiny_model
 from pipeline.engine.config import DynamicTreeConfig, SpecConfig
 from pipeline.engine.eagle import EagleNet, EagleProposer
+from pipeline.engine.graphs import GraphedTarget
 from pipeline.engine.medusa import MedusaProposer, medusa_heads
 from pipeline.engine.runner import Engine, SamplingParams
 from pipeline.engine.speculative import StepInput
@@ -229,14 +230,18 @@ def test_running_ahead_changes_only_how_tokens_are_grouped(case, tiny_llama_dir,
                 SamplingParams(max_tokens=1, end_id=-1)]
     ref = reference(plain, PROMPTS[0], n + 16)
     by_draft = {}
-    for name in ("random", "oracle"):
+    for name in ("random", "oracle", "oracle, graph steps"):
         if name == "oracle" and isinstance(engine.proposer, MedusaProposer):
             engine.proposer = OracleMedusa(engine.proposer, ref)
         elif name == "oracle":
             engine.proposer.net = OracleNet(engine.proposer.net, ref)
+        else:  # CUDA's step objects, run directly here: static buffers, greedy acceptance and compaction in one step
+            engine.graphs = GraphedTarget(engine.target, engine.cache, engine.proposer.capture_layers, compile=False)
         seen, biggest = by_draft[name] = stream_by_run_ahead(engine, ids, requests, (1, 4))
         assert all(seen[1, i] == seen[4, i] for i in range(len(requests))), (name, seen)
         assert biggest[4] > biggest[1]  # the groups did run ahead
         assert seen[4, 0][0] == free and seen[4, 1][1] == "end_id" and seen[4, 2][0] == free[:1]
     assert by_draft["oracle"][0][4, 0][2] < n // 2  # the oracle's steps carried several tokens each
+    assert by_draft["oracle, graph steps"] == by_draft["oracle"]
+    assert engine.graphs.trees  # verification went through the greedy step objects
 

@@ -36,6 +36,12 @@ class Acceptance:
         return self.path.gather(0, self.num_accepted.view(1))
 
 
+def at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values[index] for a 0-d index tensor, as a 0-d tensor. Plain indexing would make it a Python
+    int, which torch.compile can only get by reading the device (the greedy step runs compiled)."""
+    return values.gather(0, index.view(1)).view(())
+
+
 def path_to(node: torch.Tensor, tree: DraftTree) -> torch.Tensor:
     """[D+1] node indices from the root down to `node` (a 0-d tensor), padded with `node`."""
     steps = tree.max_depth + 1
@@ -44,14 +50,14 @@ def path_to(node: torch.Tensor, tree: DraftTree) -> torch.Tensor:
     for _ in range(tree.max_depth):
         walk.append(up[walk[-1]])
     walk = torch.cat(walk)  # node, parent, grandparent, ..., root, root
-    depth = tree.depths[node]
+    depth = at(tree.depths, node)
     offsets = torch.arange(steps, device=node.device)
     return walk[(depth - offsets).clamp(min=0)]
 
 
 def _finish(tree: DraftTree, best: torch.Tensor, bonus: torch.Tensor) -> Acceptance:
     path = path_to(best, tree)
-    num = tree.depths[best]
+    num = at(tree.depths, best)
     offsets = torch.arange(tree.max_depth + 1, device=best.device)
     drafted = tree.tokens[path[(offsets + 1).clamp(max=tree.max_depth)]]
     return Acceptance(path, num, torch.where(offsets < num, drafted, bonus.view(())))
@@ -68,7 +74,7 @@ def accept_greedy(tree: DraftTree, target_next: torch.Tensor) -> Acceptance:
     """target_next [N]: the target's argmax after each node."""
     node_ok = tree.tokens == target_next[tree.parents.clamp(min=0)]
     best = deepest_accepted(tree, node_ok)
-    return _finish(tree, best, target_next[best])
+    return _finish(tree, best, at(target_next, best))
 
 
 def accept_typical(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, rule: TypicalAcceptance,

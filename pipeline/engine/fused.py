@@ -61,6 +61,14 @@ ATTENTION_PROGRAMS = 1024
 TREE_BLOCK_ROWS = 64
 TREE_BLOCK_SLOTS = 64
 TREE_MIN_ROWS = 16
+# A split takes at least this many blocks of the cache's slots (one split writes its output directly, no
+# merge). 2 was best or within 5% of the best on every case of build/probe_tree_attention.py on the H200
+# but the 8B shape's 1,500-token text (59 us a layer against 53 for 4; 73 for 1).
+TREE_MIN_BLOCKS_PER_SPLIT = 2
+# Float32 models' tile products: exact ("ieee", FMA) so that no TF32 rounding reaches the scores. They
+# cost SmolLM2's 64-node EAGLE trees 132 us a call on the H200 (bf16 tiles: 4.6 us); "tf32x3" (three
+# TF32 products, near-float32) is the candidate build/probe_tree_attention.py compares, not yet measured.
+FLOAT32_DOT = "ieee"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 

@@ -13,7 +13,18 @@ import triton
 import triton.language as tl
 
 from pipeline.engine.fused import (ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_SPLITS, ATTENTION_PROGRAMS, BLOCK_K,
-                                   BLOCK_ROWS, NUM_WARPS, TREE_BLOCK_ROWS, TREE_BLOCK_SLOTS, TREE_MIN_ROWS)
+                                   BLOCK_ROWS, FLOAT32_DOT, NUM_WARPS, TREE_BLOCK_ROWS, TREE_BLOCK_SLOTS,
+                                   TREE_MIN_BLOCKS_PER_SPLIT, TREE_MIN_ROWS)
+
+
+@triton.jit
+def _gemv_input(x_ptr, norm_ptr, cols, inside, scale, dtype, NORM: tl.constexpr):
+    """A tile of x in float32, RMS-normalised and scaled by norm_ptr with the unfused norm's roundings."""
+    x = tl.load(x_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    if NORM:
+        g = tl.load(norm_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        x = (g * (x * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -24,28 +35,27 @@ def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps,
     NORM: x is first RMS-normalised and scaled by norm_ptr (every program recomputes the scale from
     the whole of x: k values from L2, against BLOCK_ROWS * k weights from memory).
     RESIDUAL: y += res.
+    The first weight tile is requested before the norm's pass over x, so that its latency overlaps it.
     """
     dtype = y_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     live = rows < n
+    cols = tl.arange(0, BLOCK_K)
+    inside = cols < k
+    w = tl.load(w_ptr + rows[:, None] * k + cols[None, :], mask=live[:, None] & inside[None, :], other=0.0)
     scale = 1.0
     if NORM:
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_ptr + cols, mask=cols < k, other=0.0).to(tl.float32)
+            xs = tl.load(x_ptr + k0 + cols, mask=k0 + cols < k, other=0.0).to(tl.float32)
             squares += xs * xs
         scale = tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
-    acc = tl.zeros((BLOCK_ROWS, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
+    acc = w.to(tl.float32) * _gemv_input(x_ptr, norm_ptr, cols, inside, scale, dtype, NORM)[None, :]
+    for k0 in range(BLOCK_K, k, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         inside = cols < k
-        x = tl.load(x_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-        if NORM:
-            g = tl.load(norm_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-            x = (g * (x * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         w = tl.load(w_ptr + rows[:, None] * k + cols[None, :], mask=live[:, None] & inside[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+        acc += w.to(tl.float32) * _gemv_input(x_ptr, norm_ptr, cols, inside, scale, dtype, NORM)[None, :]
     y = tl.sum(acc, axis=1)
     if RESIDUAL:
         y = y.to(dtype).to(tl.float32) + tl.load(res_ptr + rows, mask=live, other=0.0).to(tl.float32)
@@ -172,13 +182,14 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_
 
 @triton.jit
 def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_ptr, num_slots, region,
-                           sm_scale, stride_slot, stride_head, num_splits, tokens,
+                           sm_scale, stride_slot, stride_head, num_splits, tokens, out_ptr,
                            GROUP: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           IEEE: tl.constexpr):
+                           FLOAT32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr):
     """The split kernel for several tokens: one kv head's query rows (token, group member) in
     tiles of BLOCK_M against every num_splits-th block of BLOCK_N slots, both products on tensor
     cores (a 64-node tree of an 8B model has 256 query rows a kv head, which CUDA cores took ~100 us
-    a layer for). Same visibility and partial outputs as _attention_split_kernel with REGION."""
+    a layer for). Same visibility and partial outputs as _attention_split_kernel with REGION.
+    DIRECT (one split): the normalised output goes straight to out_ptr, and no merge runs."""
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     token = r // GROUP
@@ -196,10 +207,7 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_p
         inside = slots < bound
         base = slots * stride_slot + kv_head * stride_head
         keys = tl.load(k_ptr + base[None, :] + dims[:, None], mask=inside[None, :], other=0.0)  # [HEAD, BLOCK_N]
-        if IEEE:  # float32 models: no TF32 rounding in the scores
-            scores = tl.dot(q, keys, input_precision="ieee") * sm_scale
-        else:
-            scores = tl.dot(q, keys) * sm_scale
+        scores = tl.dot(q, keys, input_precision=PRECISION) * sm_scale
         rel = slots - length
         seen = tl.load(rows_ptr + token[:, None] * region + rel[None, :],
                        mask=live[:, None] & (inside & (rel >= 0))[None, :], other=0)
@@ -211,15 +219,19 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_p
         p = tl.exp(scores - safe[:, None])
         total = total * rescale + tl.sum(p, axis=1)
         values = tl.load(v_ptr + base[:, None] + dims[None, :], mask=inside[:, None], other=0.0)  # [BLOCK_N, HEAD]
-        if IEEE:
-            acc = acc * rescale[:, None] + tl.dot(p, values, input_precision="ieee")
+        if FLOAT32:
+            acc = acc * rescale[:, None] + tl.dot(p, values, input_precision=PRECISION)
         else:
             acc = acc * rescale[:, None] + tl.dot(p.to(values.dtype), values)
         peak = top
-    out = query * num_splits + split
-    tl.store(m_ptr + out, peak, mask=live)
-    tl.store(l_ptr + out, total, mask=live)
-    tl.store(o_ptr + out[:, None] * HEAD + dims[None, :], acc, mask=live[:, None])
+    if DIRECT:
+        out = acc / total[:, None]
+        tl.store(out_ptr + query[:, None] * HEAD + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+    else:
+        part = query * num_splits + split
+        tl.store(m_ptr + part, peak, mask=live)
+        tl.store(l_ptr + part, total, mask=live)
+        tl.store(o_ptr + part[:, None] * HEAD + dims[None, :], acc, mask=live[:, None])
 
 
 @triton.jit
@@ -258,11 +270,13 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
     else:  # query rows in tensor-core tiles of 16 rows at least; blocks dealt round-robin to the splits
         block_m = max(TREE_MIN_ROWS, min(TREE_BLOCK_ROWS, triton.next_power_of_2(tokens * group)))
         tiles = triton.cdiv(tokens * group, block_m)
-        splits = max(1, min(ATTENTION_MAX_SPLITS, triton.cdiv(slots, TREE_BLOCK_SLOTS),
+        splits = max(1, min(ATTENTION_MAX_SPLITS, triton.cdiv(slots, TREE_BLOCK_SLOTS * TREE_MIN_BLOCKS_PER_SPLIT),
                             ATTENTION_PROGRAMS // (tiles * kv_heads)))
-    m = torch.empty(tokens * heads * splits, dtype=torch.float32, device=q.device)
+    direct = tokens > 1 and splits == 1
+    m = torch.empty(0 if direct else tokens * heads * splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    o = torch.empty(tokens * heads * splits, head, dtype=torch.float32, device=q.device)
+    o = torch.empty(m.shape[0], head, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
     args = (q.contiguous(), k, v, length, k if rows is None else rows.contiguous().view(torch.uint8), m, l, o, slots,
             region, head ** -0.5, k.stride(0), k.stride(1), splits)
     if tokens == 1:
@@ -271,11 +285,12 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
             CHUNK=ATTENTION_CHUNK_SLOTS, REGION=rows is not None)
     else:
         _tree_attention_kernel[(tiles, kv_heads, splits)](
-            *args, tokens, GROUP=group, HEAD=head, BLOCK_M=block_m, BLOCK_N=TREE_BLOCK_SLOTS,
-            IEEE=q.dtype == torch.float32)
-    out = torch.empty_like(q)
-    _attention_merge_kernel[(tokens * heads,)](m, l, o, out, splits, HEAD=head,
-                                               SPLIT_ROWS=max(2, triton.next_power_of_2(splits)))
+            *args, tokens, out, GROUP=group, HEAD=head, BLOCK_M=block_m, BLOCK_N=TREE_BLOCK_SLOTS,
+            FLOAT32=q.dtype == torch.float32, PRECISION=FLOAT32_DOT if q.dtype == torch.float32 else "tf32",
+            DIRECT=direct)
+    if not direct:
+        _attention_merge_kernel[(tokens * heads,)](m, l, o, out, splits, HEAD=head,
+                                                   SPLIT_ROWS=max(2, triton.next_power_of_2(splits)))
     return out
 
 

@@ -17,6 +17,11 @@ SPECPIPE_COMPILE=0 turns compilation off; a compiler failure falls back to the e
 The target keeps one graph per token count, captured on first use: decode steps are 1 token, a
 static tree always has the same size, EAGLE-2's dynamic tree always keeps max_draft_len nodes, and an
 n-gram or draft-model chain has at most k + 1. Prefills and trees over MAX_GRAPH_TOKENS run eagerly.
+Greedy verification has graphs of its own that also accept and compact the accepted path's KV: for a
+small target those ~40 small ops, launched one by one, cost more host time than the pass itself.
+
+Off CUDA the same objects run their functions directly (no capture), so the CPU tests cover this
+module's buffers and flow.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ from typing import Any, Callable
 
 import torch
 
+from pipeline.engine.acceptance import Acceptance, accept_greedy
 from pipeline.engine.model import KVCache, Transformer, full_slot_context
+from pipeline.engine.sampling import argmax_rows
+from pipeline.engine.tree import DraftTree
 from pipeline.errors import UserError
 
 MAX_GRAPH_TOKENS = 256  # trees up to 255 draft tokens (EAGLE-2 deep trees) still replay as graphs
@@ -85,13 +93,16 @@ class Compiled:
 class CapturedStep:
     """fn() over static buffers, captured as one CUDA graph on its first call and replayed after."""
 
-    def __init__(self, fn: Callable[[], Any], pool: Any = None):
+    def __init__(self, fn: Callable[[], Any], pool: Any = None, capture: bool = True):
         self.fn = fn
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.capture = capture
+        self.pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Any = None
 
     def __call__(self) -> Any:
+        if not self.capture:
+            return self.fn()
         if self.graph is None:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -113,6 +124,14 @@ class _Inputs:
     tree_mask: torch.Tensor  # [T, T] bool
 
 
+@dataclass
+class _TreeInputs:
+    tokens: torch.Tensor  # [T] long
+    parents: torch.Tensor  # [T] long
+    depths: torch.Tensor  # [T] long
+    tree_mask: torch.Tensor  # [T, T] bool
+
+
 class GraphedTarget:
     """Replays of `target`'s forward over `cache`, one CUDA graph per new-token count."""
 
@@ -124,12 +143,15 @@ class GraphedTarget:
         self.length = torch.zeros((), dtype=torch.long, device=device)  # the prefix the new tokens follow
         self.slot_ids = torch.arange(cache.num_slots, device=device)
         self.offsets = torch.arange(max_tokens, device=device)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.capture = device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         # One compiled function for every token count: after the second count it recompiles once
         # with the count symbolic instead of once per tree size.
         self.forward = Compiled(self._forward, compile)
+        self.greedy_verify = Compiled(self._greedy_verify, compile)
         self.inputs: dict[int, _Inputs] = {}
         self.graphs: dict[int, CapturedStep] = {}
+        self.trees: dict[tuple[int, int], tuple[_TreeInputs, CapturedStep]] = {}
 
     def supports(self, num_tokens: int, prefix_len: int | torch.Tensor) -> bool:
         """Decode and verification steps (after a prefill: a device length always is) up to
@@ -146,7 +168,8 @@ class GraphedTarget:
             x = self.inputs[t] = _Inputs(torch.zeros(t, dtype=torch.long, device=device),
                                          torch.zeros(t, dtype=torch.long, device=device),
                                          torch.ones(t, t, dtype=torch.bool, device=device))
-            self.graphs[t] = CapturedStep(lambda: self.forward(x.tokens, x.positions, x.tree_mask), self.pool)
+            self.graphs[t] = CapturedStep(lambda: self.forward(x.tokens, x.positions, x.tree_mask), self.pool,
+                                          self.capture)
         # Inputs first: the capture's warm-up runs write this step's KV slots, so they must be real.
         self.length.fill_(prefix_len)
         x.tokens.copy_(tokens)
@@ -154,6 +177,40 @@ class GraphedTarget:
         if t > 1:  # one token's mask is [[True]] whatever the caller passes, and was made so
             x.tree_mask.copy_(tree_mask)
         return self.graphs[t]()
+
+    def run_greedy_tree(self, tree: DraftTree, prefix_len: int | torch.Tensor
+                        ) -> tuple[torch.Tensor, list[torch.Tensor], Acceptance]:
+        """Verify `tree` after prefix_len, accept greedily and move the accepted path's KV to the
+        slots after the prefix, in one replay: (final hidden [T, H], captured [T, H] each,
+        Acceptance), static tensors like run's."""
+        key = (tree.num_nodes, tree.max_depth)
+        if key not in self.trees:
+            t, device, depth = tree.num_nodes, tree.tokens.device, tree.max_depth
+            x = _TreeInputs(*(torch.zeros(t, dtype=torch.long, device=device) for _ in range(3)),
+                            torch.ones(t, t, dtype=torch.bool, device=device))
+            self.trees[key] = x, CapturedStep(lambda: self._verify_and_compact(x, depth), self.pool, self.capture)
+        x, step = self.trees[key]
+        self.length.fill_(prefix_len)
+        x.tokens.copy_(tree.tokens)
+        x.parents.copy_(tree.parents)
+        x.depths.copy_(tree.depths)
+        x.tree_mask.copy_(tree.mask)
+        hidden, captured, path, num_accepted, tokens = step()
+        return hidden, captured, Acceptance(path, num_accepted, tokens)
+
+    def _verify_and_compact(self, x: _TreeInputs, max_depth: int) -> tuple[Any, ...]:
+        out = self.greedy_verify(x.tokens, x.parents, x.depths, x.tree_mask, max_depth)
+        # Outside the compiled function: inductor turns an index assignment into a view of the cache
+        # into a copy of the whole cache out and back.
+        self.cache.move(self.length + out[2], self.length + self.offsets[:max_depth + 1])
+        return out
+
+    def _greedy_verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                       tree_mask: torch.Tensor, max_depth: int) -> tuple[Any, ...]:
+        hidden, captured = self._forward(tokens, self.length + depths, tree_mask)
+        acc = accept_greedy(DraftTree(tokens, parents, depths, tree_mask, max_depth),
+                            argmax_rows(self.target.logits(hidden)))
+        return hidden, captured, acc.path, acc.num_accepted, acc.tokens
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                  tree_mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -201,6 +201,10 @@ class Engine:
         """Propose, verify, accept, and compact the accepted path's KV."""
         length = step.length
         tree = self.proposer.propose(step)
+        if (step.params.greedy and tree.num_nodes > 1 and self.graphs is not None
+                and self.graphs.supports(tree.num_nodes, length)):
+            hidden, captured, acc = self.graphs.run_greedy_tree(tree, length)
+            return tree, acc, TargetPass(hidden, captured)
         target = self.forward(tree.tokens, length, length + tree.depths, tree.mask if tree.num_nodes > 1 else None)
         acc = self._accept(tree, target.hidden, step.params, step.generator)
         if tree.num_nodes > 1:
