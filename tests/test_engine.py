@@ -177,6 +177,37 @@ def test_running_ahead_changes_only_how_tokens_are_grouped(tiny_llama_engine):
     assert seen[5, 2][1] == "stop" and seen[5, 3][0] == free[:1]
 
 
+def test_a_request_joining_a_run_ahead_takes_its_queued_steps_first(tiny_llama_engine):
+    """Run-ahead keeps the next group queued while it reads the current one; a request that joins
+    then makes the batch drain that group before the first shared step. Driven step by step (no
+    thread), so the join lands while a group is queued; each request gets the tokens it gets alone."""
+    import queue
+
+    from pipeline.engine.batcher import _Request
+
+    engine, batcher = tiny_llama_engine, tiny_llama_engine.batcher
+    jobs = [(PROMPTS[0], 30), (PROMPTS[1], 12)]
+    alone = [greedy_ids(engine, text, n) for text, n in jobs]
+    requests = []
+    for text, n in jobs:
+        params = SamplingParams(max_tokens=n, end_id=-1)
+        requests.append(_Request(engine.tokenizer(text).input_ids, params, *engine.request_state(params), queue.Queue()))
+    engine.run_ahead = 5
+    try:
+        with torch.inference_mode():
+            batcher._prefill(requests[0])
+            batcher._step()
+            assert requests[0].queued is not None  # a group is on the device, not yet read
+            batcher._prefill(requests[1])
+            while batcher.active:
+                batcher._step()
+    finally:
+        engine.run_ahead = 1
+    for r, want in zip(requests, alone):
+        chunks = [r.chunks.get_nowait() for _ in range(r.chunks.qsize())]
+        assert [t for c in chunks for t in c.token_ids] == want and chunks[-1].finished
+
+
 def greedy_ids(engine: Engine, text: str, n: int) -> list[int]:
     return engine.generate(engine.tokenizer(text).input_ids, SamplingParams(max_tokens=n, end_id=-1)).token_ids
 

@@ -5,7 +5,8 @@ leave when they stop; the last active row then moves into the freed one, so acti
 hold rows 0..n-1 and a step reads one contiguous slice of the cache. A step with a single active
 request is exactly the single-stream step (same kernels, CUDA graphs included), so batch-1 output
 is unchanged, and a greedy request alone queues several steps on the device per host read
-(`_run_ahead`). Speculative engines do not batch: their proposers keep per-request state (draft KV
+(`_run_ahead`), the next group queued before the current one is read, so the device does not wait
+while the host reads, emits and launches. Speculative engines do not batch: their proposers keep per-request state (draft KV
 caches, head inputs), so they serve one request at a time.
 """
 
@@ -37,9 +38,30 @@ class _Request:
     chunks: queue.Queue  # StreamChunk, or the exception that ended the batch loop
     out: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
-    length: int = 0  # tokens whose KV is cached
+    length: int = 0  # tokens whose KV is cached, or will be once the queued group has run
     last: int = 0  # the last emitted token, not yet cached
     cancelled: bool = False
+    queued: "_Group | None" = None  # run-ahead steps on the device, not yet read
+
+    @property
+    def unread(self) -> int:
+        """Tokens that queued steps produce but that were not emitted yet (the last emitted token's
+        KV is not cached, hence the + 1)."""
+        return self.length - len(self.prompt_ids) - len(self.out) + 1
+
+
+@dataclass
+class _Group:
+    """Greedy steps queued on the device: their tokens land in `host` (pinned on CUDA) once `done`."""
+
+    host: torch.Tensor  # [steps] long
+    done: torch.cuda.Event | None  # None on the CPU, where the copy has already happened
+    last: torch.Tensor  # [1] long on the device: the input of the group after this one
+
+    def read(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()  # this group only: the one queued behind it keeps the device busy
+        return self.host.tolist()
 
 
 class Batcher:
@@ -50,6 +72,11 @@ class Batcher:
         self.active: list[_Request] = []  # request i holds cache row i
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None  # runs while any request is pending or active
+        # Two pinned buffers for run-ahead groups on CUDA, used in turn: at most one group is read
+        # while the next is queued. A group dropped after a stop leaves its copy pending; the next copy
+        # into the same buffer is ordered after it on the stream.
+        self.host: list[torch.Tensor] = []
+        self.turn = 0
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
         generator, stop = self.engine.request_state(params)
@@ -105,6 +132,13 @@ class Batcher:
         engine, n = self.engine, len(self.active)
         if n == 1 and self.active[0].params.greedy and not self.pending:
             return self._run_ahead(self.active[0])
+        for r in list(self.active):  # a request leaving run-ahead: its queued steps first
+            if r.queued is not None:
+                group, r.queued = r.queued, None
+                self._emit([r], [group.read()], counts_step=True)
+        if not self.active:
+            return
+        n = len(self.active)
         tokens = torch.tensor([r.last for r in self.active], device=engine.device)
         lengths = torch.tensor([r.length for r in self.active], device=engine.device)
         if n == 1:
@@ -124,20 +158,40 @@ class Batcher:
 
     def _run_ahead(self, r: _Request) -> None:
         """A greedy request alone: each step's input is the previous step's argmax, which never has to
-        visit the host, so up to engine.run_ahead steps are queued on the device and read back with
-        one sync. The device then never idles while Python prepares the next step; a stop inside the
-        group discards the steps after it, and a request that arrives waits at most one group."""
+        visit the host, so up to engine.run_ahead steps are queued on the device as a group and read
+        back with one sync. The next group is queued before the current one is read, so the device
+        never idles while Python reads, emits and launches; a stop inside a group discards the steps
+        after it (and the group queued behind it), and a request that arrives waits at most one group."""
+        if r.queued is None:
+            r.queued = self._queue(r, torch.tensor([r.last], device=self.engine.device))
+        group = r.queued
+        more = r.params.max_tokens - len(r.out) - r.unread
+        # With one step a group (the CPU, where the host is the device) nothing would overlap.
+        r.queued = self._queue(r, group.last) if more > 0 and self.engine.run_ahead > 1 else None
+        self._emit([r], [group.read()], counts_step=True)
+
+    def _queue(self, r: _Request, token: torch.Tensor) -> _Group:
+        """Queue greedy steps from `token` (on the device) at r.length, up to run_ahead and max_tokens."""
         engine = self.engine
-        steps = min(engine.run_ahead, r.params.max_tokens - len(r.out))
+        steps = min(engine.run_ahead, r.params.max_tokens - len(r.out) - r.unread)
         positions = torch.arange(r.length, r.length + steps, device=engine.device)
-        token = torch.tensor([r.last], device=engine.device)
         chosen = []
         for i in range(steps):
             hidden = engine.forward(token, r.length + i, positions[i:i + 1], None).hidden
             token = engine.greedy(hidden)
             chosen.append(token)
         r.length += steps
-        self._emit([r], [torch.cat(chosen).tolist()], counts_step=True)  # the group's one sync
+        tokens = torch.cat(chosen)
+        if engine.device.type != "cuda":
+            return _Group(tokens, None, token)
+        if not self.host or self.host[0].numel() < steps:
+            self.host = [torch.empty(engine.run_ahead, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        host = self.host[self.turn][:steps]
+        self.turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _Group(host, done, token)
 
     def _emit(self, requests: list[_Request], tokens: list[list[int]], counts_step: bool) -> None:
         """Each request's new tokens, in order, through its stop conditions; one chunk per request."""
