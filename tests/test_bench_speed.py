@@ -19,6 +19,7 @@ def test_roofline_suite_reports_the_floor_the_trees_and_a_profile(tmp_path, caps
                                  bandwidth_bytes=2**24, decode_tokens=8, repeats=1, profile_tokens=4))
     roof = json.loads(path.read_text())["roofline"]
     assert roof["decode_tokens_per_s"] > 0 and roof["floor_tokens_per_s"] > 0
+    assert min(roof["decode_tokens_per_s_runs"]) <= roof["decode_tokens_per_s"] <= max(roof["decode_tokens_per_s_runs"])
     assert roof["decode_fraction_of_floor"] == pytest.approx(roof["decode_tokens_per_s"] / roof["floor_tokens_per_s"])
     assert set(roof["verify_cost_vs_1"]) == {str(n) for n in (1, *VERIFY_TREE_SIZES)}
     assert roof["kernel_layers"] == {"gemv_layers": 0, "fused_layers": 0, "attention_layers": 0}  # CPU: the library kernels everywhere

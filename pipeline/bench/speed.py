@@ -181,13 +181,19 @@ def streamed_bytes(model: Transformer) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p is not table)
 
 
-def decode_rate(engine: Engine, prompt: list[int], tokens: int, repeats: int) -> float:
-    """Decode tokens/s through the engine loop: (time for 1 + tokens) - (time for the prefill's 1)."""
+def decode_rates(engine: Engine, prompt: list[int], tokens: int, repeats: int) -> list[float]:
+    """Decode tokens/s through the engine loop, one rate a repeat: (time for 1 + tokens) - (time for
+    the prefill's 1), the two timed back to back so that a slow spell of the machine shows in that
+    repeat's rate instead of skewing one side of every rate."""
     device = engine.device
-    one = median_seconds(lambda: engine.generate(prompt, SamplingParams(max_tokens=1, end_id=-1)), device, repeats, 1)
-    full = median_seconds(lambda: engine.generate(prompt, SamplingParams(max_tokens=tokens + 1, end_id=-1)),
-                          device, repeats, 1)
-    return tokens / (full - one)
+    one = lambda: engine.generate(prompt, SamplingParams(max_tokens=1, end_id=-1))
+    full = lambda: engine.generate(prompt, SamplingParams(max_tokens=tokens + 1, end_id=-1))
+    return [tokens / (median_seconds(full, device, 1, warmup) - median_seconds(one, device, 1, warmup))
+            for warmup in [1] + [0] * (repeats - 1)]
+
+
+def decode_rate(engine: Engine, prompt: list[int], tokens: int, repeats: int) -> float:
+    return statistics.median(decode_rates(engine, prompt, tokens, repeats))
 
 
 def verify_costs(engine: Engine, prefix_len: int, sizes: tuple[int, ...], repeats: int) -> dict[int, float]:
@@ -226,8 +232,10 @@ def run_roofline(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
                               "kv_slots": engine.cache.num_slots, "kernel_layers": fused.attach(model),
                               "kernels": fused.level() if device.type == "cuda" else "off"}
     with torch.inference_mode():
-        tps = decode_rate(engine, prompt, cfg.decode_tokens, cfg.repeats)
+        runs = decode_rates(engine, prompt, cfg.decode_tokens, cfg.repeats)
+        tps = statistics.median(runs)
         result["decode_tokens_per_s"] = tps
+        result["decode_tokens_per_s_runs"] = runs
         result["decode_fraction_of_floor"] = tps / floor_tps
         costs = verify_costs(engine, ROOFLINE_PROMPT_LEN, VERIFY_TREE_SIZES, cfg.repeats)
         result["verify_ms"] = {str(k): v * 1e3 for k, v in costs.items()}
@@ -553,6 +561,8 @@ def format_table(results: dict[str, Any]) -> str:
                   f"{roof['shape']} {roof['dtype']}: {roof['weight_bytes_per_step'] / GB:.2f} GB/step, floor "
                   f"{roof['floor_step_ms']:.3f} ms = {roof['floor_tokens_per_s']:.1f} tok/s",
                   f"plain decode {roof['decode_tokens_per_s']:.1f} tok/s = {roof['decode_fraction_of_floor']:.1%} of floor"
+                  + (" (runs {:.1f}-{:.1f})".format(min(roof["decode_tokens_per_s_runs"]), max(roof["decode_tokens_per_s_runs"]))
+                     if "decode_tokens_per_s_runs" in roof else "")
                   + "".join(f", {k} kernels {v:.1f}" for k, v in roof.get("decode_tokens_per_s_by_kernels", {}).items())
                   + (f" (graphs without compile {roof['uncompiled_graph_decode_tokens_per_s']:.1f}, eager "
                      f"{roof['eager_decode_tokens_per_s']:.1f})" if "eager_decode_tokens_per_s" in roof else ""),

@@ -185,12 +185,20 @@ class EagleProposer:
 
     # ---- drafting --------------------------------------------------------------------------------
     def propose(self, step: StepInput) -> DraftTree:
-        self.root.copy_(step.root)
+        self.prepare(step)
         if self.cache.k.is_cuda:
-            self.graph = self.graph or CapturedStep(self.step)
-            out = self.graph()
-        else:
-            out = self.step()
+            self.graph = self.graph or CapturedStep(self.draft)
+            return self.graph()
+        return self.draft()
+
+    def prepare(self, step: StepInput) -> None:
+        """The step's inputs into the static buffers that draft() reads."""
+        self.root.copy_(step.root)
+
+    def draft(self) -> DraftTree:
+        """The tree from the static buffers alone, so that a CUDA graph can capture it (alone, or
+        with the greedy verification after it: GraphedTarget.run_greedy_draft)."""
+        out = self.step()
         if self.tree is not None:
             return DraftTree.from_buffers(out[0], self.tree)
         tokens, parents, depths, mask = out

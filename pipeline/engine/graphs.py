@@ -18,7 +18,8 @@ The target keeps one graph per token count, captured on first use: decode steps 
 static tree always has the same size, EAGLE-2's dynamic tree always keeps max_draft_len nodes, and an
 n-gram or draft-model chain has at most k + 1. Prefills and trees over MAX_GRAPH_TOKENS run eagerly.
 Greedy verification has graphs of its own that also accept and compact the accepted path's KV: for a
-small target those ~40 small ops, launched one by one, cost more host time than the pass itself.
+small target those ~40 small ops, launched one by one, cost more host time than the pass itself. An
+EAGLE drafter's step goes into the same graph, so a speculative step is one replay.
 
 Off CUDA the same objects run their functions directly (no capture), so the CPU tests cover this
 module's buffers and flow.
@@ -152,6 +153,7 @@ class GraphedTarget:
         self.inputs: dict[int, _Inputs] = {}
         self.graphs: dict[int, CapturedStep] = {}
         self.trees: dict[tuple[int, int], tuple[_TreeInputs, CapturedStep]] = {}
+        self.drafted: CapturedStep | None = None
 
     def supports(self, num_tokens: int, prefix_len: int | torch.Tensor) -> bool:
         """Decode and verification steps (after a prefill: a device length always is) up to
@@ -188,7 +190,9 @@ class GraphedTarget:
             t, device, depth = tree.num_nodes, tree.tokens.device, tree.max_depth
             x = _TreeInputs(*(torch.zeros(t, dtype=torch.long, device=device) for _ in range(3)),
                             torch.ones(t, t, dtype=torch.bool, device=device))
-            self.trees[key] = x, CapturedStep(lambda: self._verify_and_compact(x, depth), self.pool, self.capture)
+            step = CapturedStep(lambda: self._verify_and_compact(DraftTree(x.tokens, x.parents, x.depths, x.tree_mask,
+                                                                           depth)), self.pool, self.capture)
+            self.trees[key] = x, step
         x, step = self.trees[key]
         self.length.fill_(prefix_len)
         x.tokens.copy_(tree.tokens)
@@ -198,11 +202,26 @@ class GraphedTarget:
         hidden, captured, path, num_accepted, tokens = step()
         return hidden, captured, Acceptance(path, num_accepted, tokens)
 
-    def _verify_and_compact(self, x: _TreeInputs, max_depth: int) -> tuple[Any, ...]:
-        out = self.greedy_verify(x.tokens, x.parents, x.depths, x.tree_mask, max_depth)
+    def run_greedy_draft(self, draft: Callable[[], DraftTree], prefix_len: int | torch.Tensor
+                         ) -> tuple[DraftTree, torch.Tensor, list[torch.Tensor], Acceptance]:
+        """run_greedy_tree with the drafting in the same replay: `draft` lays out the tree from the
+        proposer's own static buffers (the same each call; the graph captures its first). It must be
+        idempotent, as verification is: the capture runs the whole step twice first."""
+        if self.drafted is None:
+            self.drafted = CapturedStep(lambda: self._draft_verify_and_compact(draft), self.pool, self.capture)
+        self.length.fill_(prefix_len)
+        tree, (hidden, captured, path, num_accepted, tokens) = self.drafted()
+        return tree, hidden, captured, Acceptance(path, num_accepted, tokens)
+
+    def _draft_verify_and_compact(self, draft: Callable[[], DraftTree]) -> tuple[DraftTree, tuple[Any, ...]]:
+        tree = draft()
+        return tree, self._verify_and_compact(tree)
+
+    def _verify_and_compact(self, tree: DraftTree) -> tuple[Any, ...]:
+        out = self.greedy_verify(tree.tokens, tree.parents, tree.depths, tree.mask, tree.max_depth)
         # Outside the compiled function: inductor turns an index assignment into a view of the cache
         # into a copy of the whole cache out and back.
-        self.cache.move(self.length + out[2], self.length + self.offsets[:max_depth + 1])
+        self.cache.move(self.length + out[2], self.length + self.offsets[:tree.max_depth + 1])
         return out
 
     def _greedy_verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,

@@ -20,6 +20,7 @@ import torch
 from pipeline.engine import fused, onednn
 from pipeline.engine.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
 from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
+from pipeline.engine.eagle import EagleProposer
 from pipeline.engine.batcher import Batcher
 from pipeline.engine.graphs import Compiled, GraphedTarget
 from pipeline.engine.model import KVCache, Transformer, full_slot_context, make_context
@@ -200,9 +201,13 @@ class Engine:
     def _verify(self, step: StepInput) -> tuple[DraftTree, Acceptance, TargetPass]:
         """Propose, verify, accept, and compact the accepted path's KV."""
         length = step.length
+        graphed = step.params.greedy and self.graphs is not None and self.graphs.supports(self.proposer.max_nodes, length)
+        if graphed and isinstance(self.proposer, EagleProposer):  # the whole step in one replay
+            self.proposer.prepare(step)
+            tree, hidden, captured, acc = self.graphs.run_greedy_draft(self.proposer.draft, length)
+            return tree, acc, TargetPass(hidden, captured)
         tree = self.proposer.propose(step)
-        if (step.params.greedy and tree.num_nodes > 1 and self.graphs is not None
-                and self.graphs.supports(tree.num_nodes, length)):
+        if graphed and tree.num_nodes > 1:
             hidden, captured, acc = self.graphs.run_greedy_tree(tree, length)
             return tree, acc, TargetPass(hidden, captured)
         target = self.forward(tree.tokens, length, length + tree.depths, tree.mask if tree.num_nodes > 1 else None)
