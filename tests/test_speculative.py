@@ -246,3 +246,18 @@ def test_running_ahead_changes_only_how_tokens_are_grouped(case, tiny_llama_dir,
     # verification (with the drafting, for EAGLE) went through the greedy step objects
     assert engine.graphs.drafted if isinstance(engine.proposer, EagleProposer) else engine.graphs.trees
 
+
+
+def test_groups_queued_behind_each_other_stay_inside_the_cache(tiny_llama_dir, plain, tmp_path):
+    """A group is queued before the one ahead of it is read, so its size rests on that group's worst
+    case. An oracle accepting whole paths through a request that fills max_seq_len: the same tokens
+    as plain decoding, and no slot past the cache (the CPU would raise on one)."""
+    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "engine", max_input_len=16, max_seq_len=96,
+                                               **SPEC_CASES["eagle3-dynamic"](tmp_path, vocab_of(tiny_llama_dir))))
+    ids = engine.tokenizer(PROMPTS[0]).input_ids
+    n = engine.limits.max_seq_len - len(ids)
+    ref = reference(plain, PROMPTS[0], n)
+    engine.proposer.net = OracleNet(engine.proposer.net, ref)
+    engine.run_ahead = 8
+    got = greedy(engine, PROMPTS[0], n)
+    assert got.token_ids == ref[len(ids):] and got.stats.acceptance_length > 2

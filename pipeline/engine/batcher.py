@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from pipeline.engine.model import decode_context
+from pipeline.engine.readback import Pending, Readback
 from pipeline.engine.request import StopChecker, StreamChunk
 from pipeline.engine.sampling import SamplingParams, choose
 from pipeline.engine.stats import SpecStats
@@ -52,16 +53,10 @@ class _Request:
 
 @dataclass
 class _Group:
-    """Greedy steps queued on the device: their tokens land in `host` (pinned on CUDA) once `done`."""
+    """Greedy steps queued on the device."""
 
-    host: torch.Tensor  # [steps] long
-    done: torch.cuda.Event | None  # None on the CPU, where the copy has already happened
+    tokens: Pending  # [steps]
     last: torch.Tensor  # [1] long on the device: the input of the group after this one
-
-    def read(self) -> list[int]:
-        if self.done is not None:
-            self.done.synchronize()  # this group only: the one queued behind it keeps the device busy
-        return self.host.tolist()
 
 
 class Batcher:
@@ -72,11 +67,7 @@ class Batcher:
         self.active: list[_Request] = []  # request i holds cache row i
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None  # runs while any request is pending or active
-        # Two pinned buffers for run-ahead groups on CUDA, used in turn: at most one group is read
-        # while the next is queued. A group dropped after a stop leaves its copy pending; the next copy
-        # into the same buffer is ordered after it on the stream.
-        self.host: list[torch.Tensor] = []
-        self.turn = 0
+        self.readback = Readback()
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
         generator, stop = self.engine.request_state(params)
@@ -135,7 +126,7 @@ class Batcher:
         for r in list(self.active):  # a request leaving run-ahead: its queued steps first
             if r.queued is not None:
                 group, r.queued = r.queued, None
-                self._emit([r], [group.read()], counts_step=True)
+                self._emit([r], [group.tokens.read()], counts_step=True)
         if not self.active:
             return
         n = len(self.active)
@@ -168,7 +159,7 @@ class Batcher:
         more = r.params.max_tokens - len(r.out) - r.unread
         # With one step a group (the CPU, where the host is the device) nothing would overlap.
         r.queued = self._queue(r, group.last) if more > 0 and self.engine.run_ahead > 1 else None
-        self._emit([r], [group.read()], counts_step=True)
+        self._emit([r], [group.tokens.read()], counts_step=True)
 
     def _queue(self, r: _Request, token: torch.Tensor) -> _Group:
         """Queue greedy steps from `token` (on the device) at r.length, up to run_ahead and max_tokens."""
@@ -181,17 +172,7 @@ class Batcher:
             token = engine.greedy(hidden)
             chosen.append(token)
         r.length += steps
-        tokens = torch.cat(chosen)
-        if engine.device.type != "cuda":
-            return _Group(tokens, None, token)
-        if not self.host or self.host[0].numel() < steps:
-            self.host = [torch.empty(engine.run_ahead, dtype=torch.long, pin_memory=True) for _ in range(2)]
-        host = self.host[self.turn][:steps]
-        self.turn ^= 1
-        host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return _Group(host, done, token)
+        return _Group(self.readback.start(torch.cat(chosen)), token)
 
     def _emit(self, requests: list[_Request], tokens: list[list[int]], counts_step: bool) -> None:
         """Each request's new tokens, in order, through its stop conditions; one chunk per request."""

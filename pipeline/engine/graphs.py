@@ -125,14 +125,6 @@ class _Inputs:
     tree_mask: torch.Tensor  # [T, T] bool
 
 
-@dataclass
-class _TreeInputs:
-    tokens: torch.Tensor  # [T] long
-    parents: torch.Tensor  # [T] long
-    depths: torch.Tensor  # [T] long
-    tree_mask: torch.Tensor  # [T, T] bool
-
-
 class GraphedTarget:
     """Replays of `target`'s forward over `cache`, one CUDA graph per new-token count."""
 
@@ -152,7 +144,7 @@ class GraphedTarget:
         self.greedy_verify = Compiled(self._greedy_verify, compile)
         self.inputs: dict[int, _Inputs] = {}
         self.graphs: dict[int, CapturedStep] = {}
-        self.trees: dict[tuple[int, int], tuple[_TreeInputs, CapturedStep]] = {}
+        self.trees: dict[tuple[int, int], tuple[DraftTree, CapturedStep]] = {}  # static inputs, replay
         self.drafted: CapturedStep | None = None
 
     def supports(self, num_tokens: int, prefix_len: int | torch.Tensor) -> bool:
@@ -187,18 +179,14 @@ class GraphedTarget:
         Acceptance), static tensors like run's."""
         key = (tree.num_nodes, tree.max_depth)
         if key not in self.trees:
-            t, device, depth = tree.num_nodes, tree.tokens.device, tree.max_depth
-            x = _TreeInputs(*(torch.zeros(t, dtype=torch.long, device=device) for _ in range(3)),
-                            torch.ones(t, t, dtype=torch.bool, device=device))
-            step = CapturedStep(lambda: self._verify_and_compact(DraftTree(x.tokens, x.parents, x.depths, x.tree_mask,
-                                                                           depth)), self.pool, self.capture)
-            self.trees[key] = x, step
+            x = DraftTree(*(torch.zeros_like(t) for t in (tree.tokens, tree.parents, tree.depths)),
+                          torch.ones_like(tree.mask), tree.max_depth)
+            self.trees[key] = x, CapturedStep(lambda: self._verify_and_compact(x), self.pool, self.capture)
         x, step = self.trees[key]
         self.length.fill_(prefix_len)
-        x.tokens.copy_(tree.tokens)
-        x.parents.copy_(tree.parents)
-        x.depths.copy_(tree.depths)
-        x.tree_mask.copy_(tree.mask)
+        for buffer, value in ((x.tokens, tree.tokens), (x.parents, tree.parents), (x.depths, tree.depths),
+                              (x.mask, tree.mask)):
+            buffer.copy_(value)
         hidden, captured, path, num_accepted, tokens = step()
         return hidden, captured, Acceptance(path, num_accepted, tokens)
 

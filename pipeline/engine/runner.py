@@ -4,7 +4,8 @@ generate -> validate -> prefill (target over the prompt, first token) -> loop:
   propose (tree) -> verify (one target pass over the tree) -> accept (path + bonus token)
   -> compact the accepted path's KV -> one host copy of the new tokens -> stop checks -> stream.
 On CUDA, greedy requests whose proposer reads only device state (EAGLE, Medusa) queue up to
-run_ahead steps before that host copy, the cache length staying on the device meanwhile.
+run_ahead steps before that host copy, the cache length staying on the device meanwhile, and the next
+group is queued before the host reads the current one (readback.py).
 Plain decoding is the same loop with a one-node tree; plain engines also batch concurrent requests
 (batcher.py), while a speculative engine serves one request at a time.
 """
@@ -12,8 +13,9 @@ Plain decoding is the same loop with a one-node tree; plain engines also batch c
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -24,6 +26,7 @@ from pipeline.engine.eagle import EagleProposer
 from pipeline.engine.batcher import Batcher
 from pipeline.engine.graphs import Compiled, GraphedTarget
 from pipeline.engine.model import KVCache, Transformer, full_slot_context, make_context
+from pipeline.engine.readback import Pending, Readback
 from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
 from pipeline.engine.sampling import RequestError, SamplingParams, argmax_rows, choose
 from pipeline.engine.speculative import PlainProposer, Proposer, StepInput, TargetPass
@@ -45,6 +48,22 @@ def prepare_kernels(module: torch.nn.Module) -> None:
         onednn.pack(module)
     else:
         fused.attach(module)
+
+
+@dataclass
+class _Steps:
+    """Speculative steps queued on the device."""
+
+    trees: list[DraftTree]
+    accepted: Pending  # [steps, max_depth + 2]: each step's accepted tokens and bonus, then its count
+    root: torch.Tensor  # [1] the last step's bonus token: the next step's root
+    length: int | torch.Tensor  # the cache length after the steps (a host int only for one step at a time)
+    last: tuple[DraftTree, Acceptance]  # the last step's tree and acceptance, and its target pass below
+    last_target: TargetPass
+
+    @property
+    def steps(self) -> int:
+        return len(self.trees)
 
 
 class Engine:
@@ -77,6 +96,7 @@ class Engine:
                                None if self.device.type == "cuda" else False)
         self.batcher = Batcher(self) if isinstance(self.proposer, PlainProposer) else None
         self._lock = threading.Lock()  # speculative engines: one request at a time
+        self.readback = Readback()
 
     @classmethod
     def from_dir(cls, engine_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> "Engine":
@@ -162,35 +182,51 @@ class Engine:
         length = len(prompt_ids)
         new = stop.take(out, root.tolist())
         ahead = self.run_ahead if params.greedy and self.proposer.runs_ahead else 1
+        step = lambda root, at: StepInput(root, at, prompt_ids, out, params, generator)
+        queued: _Steps | None = None  # steps on the device, not read yet
 
         while not stop.reason:
             yield StreamChunk(new, False)
-            steps = self._group_size(ahead, length, params.max_tokens - len(out))
-            # One host int when a step is read back at once; else the length stays on the device
-            # and the group's steps queue up behind each other, read back with one sync.
-            at = length if steps == 1 else torch.tensor(length, device=self.device)
-            trees, accepted = [], []
-            for _ in range(steps):
-                tree, acc, target = self._verify(StepInput(root, at, prompt_ids, out, params, generator))
-                trees.append(tree)
-                accepted.append(torch.cat([acc.tokens, acc.num_accepted.view(1)]))
-                if steps > 1:  # a proposer that runs ahead takes device values
-                    self.proposer.update(tree, acc, acc.num_accepted, target, at)
-                    at = at + acc.num_accepted + 1
-                root = acc.tokens.gather(0, acc.num_accepted.view(1))
-            hosts = torch.stack(accepted).tolist()  # the group's one sync
-            if steps == 1:
-                self.proposer.update(tree, acc, hosts[0][-1], target, length)
+            if ahead == 1:  # one step, its length a host int, read back at once
+                group = self._queue(1, root, length, step)
+            else:  # the length stays on the device and the group's steps queue up, read with one sync
+                group = queued or self._queue(self._group_size(ahead, length, params.max_tokens - len(out)), root,
+                                              torch.tensor(length, device=self.device), step)
+                # The next group goes on the device before this one is read, so the device does not
+                # wait while the host reads and emits. Its bounds assume this group's worst case.
+                bound = length + group.steps * self.proposer.max_nodes
+                more = min(ahead, params.max_tokens - len(out) - group.steps,
+                           (self.cache.num_slots - bound) // self.proposer.max_nodes - 1)
+                queued = self._queue(more, group.root, group.length, step) if more > 0 else None
+            hosts = group.accepted.read()
+            root = group.root
+            if ahead == 1:
+                self.proposer.update(*group.last, hosts[0][-1], group.last_target, length)
             new = []
-            for tree, host in zip(trees, hosts):
+            for tree, host in zip(group.trees, hosts):
                 num_accepted = host[-1]
                 stats.record(tree.num_nodes - 1, tree.max_depth, num_accepted)
                 length += num_accepted + 1
                 new += stop.take(out, host[:num_accepted + 1])
-                if stop.reason:  # the steps after it are discarded: the request ends here
+                if stop.reason:  # the steps after it (and a queued group) are discarded: the request ends here
                     break
 
         yield StreamChunk(new, True, self.result(prompt_ids, out, stop.reason, stats))
+
+    def _queue(self, steps: int, root: torch.Tensor, length: int | torch.Tensor,
+               step: Callable[[torch.Tensor, int | torch.Tensor], StepInput]) -> "_Steps":
+        """Queue `steps` speculative steps from `root` at `length`. With a device length each step's
+        proposer update takes device values, so no step waits for the host."""
+        trees, accepted = [], []
+        for _ in range(steps):
+            tree, acc, target = self._verify(step(root, length))
+            trees.append(tree)
+            accepted.append(torch.cat([acc.tokens, acc.num_accepted.view(1)]))
+            if isinstance(length, torch.Tensor):
+                self.proposer.update(tree, acc, acc.num_accepted, target, length)
+                length = length + acc.num_accepted + 1
+            root = acc.tokens.gather(0, acc.num_accepted.view(1))
+        return _Steps(trees, self.readback.start(torch.stack(accepted)), root, length, (tree, acc), target)
 
     def _group_size(self, ahead: int, length: int, remaining: int) -> int:
         """Steps to queue before the next read: each emits at least one token and at most
