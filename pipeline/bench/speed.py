@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from pipeline.engine import fused
+from pipeline.engine.cpu_threads import on_own_thread
 from pipeline.engine.config import EngineLimits, SpecConfig
 from pipeline.engine.graphs import GraphedTarget
 from pipeline.engine.model import ModelConfig, Transformer
@@ -444,8 +445,10 @@ def run_smollm2(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
     names = list(cfg.methods) or list(METHODS)
     if "plain" not in names:
         names.insert(0, "plain")  # the reference for speed-ups and token agreement
-    source = load_target(cfg.target)
-    engines = build_engines(cfg, source, names)
+    # Loading and converting on threads that end, so that this one holds no OpenMP pool while the
+    # engines decode on theirs (engine/cpu_threads.py); the Hugging Face peers run after them.
+    source = on_own_thread(load_target, cfg.target)
+    engines = on_own_thread(build_engines, cfg, source, names)
     prompts = chat_ids(source.tokenizer, load_prompts(None, cfg.num_prompts))
     results: dict[str, Any] = {}
     for name in names:

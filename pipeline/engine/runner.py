@@ -13,7 +13,6 @@ Plain decoding is the same loop with a one-node tree; plain engines also batch c
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -23,6 +22,7 @@ import torch
 from pipeline.engine import fused, onednn
 from pipeline.engine.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
 from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
+from pipeline.engine.cpu_threads import on_own_thread
 from pipeline.engine.eagle import EagleProposer
 from pipeline.engine.batcher import Batcher
 from pipeline.engine.graphs import Compiled, GraphedTarget
@@ -106,12 +106,8 @@ class Engine:
         engine_dir, target = EngineDir.load(engine_dir), torch.device(device)
         if target.type != "cpu":
             return load_engine(engine_dir, target, dtype)
-        # On the CPU, on a thread that ends here: loading runs OpenMP-parallel ops, libgomp keeps a
-        # worker pool for each thread that ran one, and with two pools (the caller's and the batcher
-        # thread's) on more threads than cores it stops spinning its workers. Plain decoding of SmolLM2
-        # on 2 cores took 43 ms a token that way, 35 with the batcher thread's pool alone.
-        with ThreadPoolExecutor(max_workers=1) as loader:
-            return loader.submit(load_engine, engine_dir, target, dtype).result()
+        # The caller's thread may not be the one that decodes (batcher, server threads): see cpu_threads.
+        return on_own_thread(load_engine, engine_dir, target, dtype)
 
     def warm_up(self) -> None:
         """Compile and capture the decode and verification graphs now rather than inside the first
