@@ -19,6 +19,7 @@ from pipeline.engine.tree import DraftTree, chain_buffers
 class DraftModelProposer:
     capture_layers: tuple[int, ...] = ()
     runs_ahead = False  # it feeds the emitted text to its own model
+    drafts_from_buffers = False
 
     def __init__(self, draft: Transformer, k: int, cache_slots: int):
         self.draft, self.k = draft, k

@@ -126,6 +126,7 @@ class EagleProposer:
     later query sees before the tree or the next catch-up overwrites them."""
 
     runs_ahead = True
+    drafts_from_buffers = True
 
     def __init__(self, net: EagleNet | Eagle3Net, cache_slots: int, tree: TreeBuffers | None,
                  dynamic: DynamicTreeConfig | None, max_draft_len: int):

@@ -46,6 +46,7 @@ def medusa_heads(num_heads: int, num_layers: int, hidden: int, vocab: int, act: 
 class MedusaProposer:
     capture_layers: tuple[int, ...] = ()
     runs_ahead = True
+    drafts_from_buffers = False
 
     def __init__(self, heads: nn.ModuleList, tree: TreeBuffers):
         self.heads = heads[:tree.max_depth]  # deeper heads have no node to fill

@@ -29,6 +29,7 @@ def lookup(history: list[int], cfg: NgramConfig) -> list[int]:
 class NgramProposer:
     capture_layers: tuple[int, ...] = ()
     runs_ahead = False  # it reads the emitted text
+    drafts_from_buffers = False
 
     def __init__(self, cfg: NgramConfig, device: torch.device | str):
         self.cfg = cfg

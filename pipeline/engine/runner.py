@@ -23,7 +23,6 @@ from pipeline.engine import fused, onednn
 from pipeline.engine.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
 from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
 from pipeline.engine.cpu_threads import on_own_thread
-from pipeline.engine.eagle import EagleProposer
 from pipeline.engine.batcher import Batcher
 from pipeline.engine.graphs import Compiled, GraphedTarget
 from pipeline.engine.model import KVCache, Transformer, full_slot_context, make_context
@@ -59,8 +58,7 @@ class _Steps:
     accepted: Pending  # [steps, max_depth + 2]: each step's accepted tokens and bonus, then its count
     root: torch.Tensor  # [1] the last step's bonus token: the next step's root
     length: int | torch.Tensor  # the cache length after the steps (a host int only for one step at a time)
-    last: tuple[DraftTree, Acceptance]  # the last step's tree and acceptance, and its target pass below
-    last_target: TargetPass
+    last: tuple[DraftTree, Acceptance, TargetPass]  # the last step's, for a proposer updated from the host
 
     @property
     def steps(self) -> int:
@@ -195,18 +193,18 @@ class Engine:
             if ahead == 1:  # one step, its length a host int, read back at once
                 group = self._queue(1, root, length, step)
             else:  # the length stays on the device and the group's steps queue up, read with one sync
-                group = queued or self._queue(self._group_size(ahead, length, params.max_tokens - len(out)), root,
+                remaining = params.max_tokens - len(out)
+                group = queued or self._queue(max(1, self._group_size(ahead, length, remaining)), root,
                                               torch.tensor(length, device=self.device), step)
                 # The next group goes on the device before this one is read, so the device does not
                 # wait while the host reads and emits. Its bounds assume this group's worst case.
-                bound = length + group.steps * self.proposer.max_nodes
-                more = min(ahead, params.max_tokens - len(out) - group.steps,
-                           (self.cache.num_slots - bound) // self.proposer.max_nodes - 1)
+                more = self._group_size(ahead, length + group.steps * self.proposer.max_nodes, remaining - group.steps)
                 queued = self._queue(more, group.root, group.length, step) if more > 0 else None
             hosts = group.accepted.read()
             root = group.root
             if ahead == 1:
-                self.proposer.update(*group.last, hosts[0][-1], group.last_target, length)
+                tree, acc, target = group.last
+                self.proposer.update(tree, acc, hosts[0][-1], target, length)
             new = []
             for tree, host in zip(group.trees, hosts):
                 num_accepted = host[-1]
@@ -231,19 +229,19 @@ class Engine:
                 self.proposer.update(tree, acc, acc.num_accepted, target, length)
                 length = length + acc.num_accepted + 1
             root = acc.tokens.gather(0, acc.num_accepted.view(1))
-        return _Steps(trees, self.readback.start(torch.stack(accepted)), root, length, (tree, acc), target)
+        return _Steps(trees, self.readback.start(torch.stack(accepted)), root, length, (tree, acc, target))
 
     def _group_size(self, ahead: int, length: int, remaining: int) -> int:
-        """Steps to queue before the next read: each emits at least one token and at most
-        max_nodes slots' worth, and none may outgrow the cache."""
+        """Steps that may be queued from `length` (at most; 0 or less when none may): each emits at
+        least one token and at most max_nodes slots' worth, and none may outgrow the cache."""
         room = (self.cache.num_slots - length) // self.proposer.max_nodes - 1
-        return max(1, min(ahead, remaining, room))
+        return min(ahead, remaining, room)
 
     def _verify(self, step: StepInput) -> tuple[DraftTree, Acceptance, TargetPass]:
         """Propose, verify, accept, and compact the accepted path's KV."""
         length = step.length
         graphed = step.params.greedy and self.graphs is not None and self.graphs.supports(self.proposer.max_nodes, length)
-        if graphed and isinstance(self.proposer, EagleProposer):  # the whole step in one replay
+        if graphed and self.proposer.drafts_from_buffers:  # the whole step in one replay
             self.proposer.prepare(step)
             tree, hidden, captured, acc = self.graphs.run_greedy_draft(self.proposer.draft, length)
             return tree, acc, TargetPass(hidden, captured)

@@ -49,6 +49,9 @@ class Proposer(Protocol):
     max_nodes: int  # the largest tree it proposes, root included (sizes the KV cache headroom)
     # propose and update read only device tensors, so greedy steps may queue up without host reads
     runs_ahead: bool
+    # prepare(step) puts a step's inputs into static buffers and draft() lays out the tree from them
+    # alone, so that the engine can capture the drafting with the verification in one CUDA graph
+    drafts_from_buffers: bool
 
     def start(self, prompt: torch.Tensor, target: TargetPass, first: torch.Tensor) -> None:
         """After the prefill: prompt [n], the target's pass over it, and the first token [1]."""
@@ -68,6 +71,7 @@ class PlainProposer:
     capture_layers: tuple[int, ...] = ()
     max_nodes = 1
     runs_ahead = False  # plain engines run ahead in the batcher
+    drafts_from_buffers = False
 
     def __init__(self, device: torch.device | str):
         self.buffers: TreeBuffers = chain_buffers(0, device)
