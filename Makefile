@@ -10,9 +10,9 @@ DTYPE ?= float32
 DRAFT ?= eagle:drafts/smollm2-eagle
 EAGLE_CONVERT_FLAGS ?= --num-eagle-layers 6
 # Where serve and demo run the portable engine (cpu or cuda); the EAGLE trees follow it. On 2 CPU cores a
-# pass over a large tree costs several plain steps, so 6 nodes (BENCHMARKS.md §6: 1.09x plain for EAGLE,
-# 1.16x for EAGLE-3, against 0.5x with the GPU trees); on a GPU a 64-node tree costs little more than one
-# token (§2: EAGLE-3's `eagle3-deep`, 63 nodes, measured best on the H200).
+# pass over a large tree costs several plain steps, so 6 nodes (BENCHMARKS.md §6: EAGLE-3 0.94x plain there,
+# against 0.5x with the GPU trees; the demo shows lossless speculation, not a CPU speed-up); on a GPU a
+# 64-node tree costs little more than one token (§2: EAGLE-3's `eagle3-deep`, 63 nodes).
 DEVICE ?= cpu
 EAGLE_BUILD_FLAGS_cpu := --dynamic-tree --dynamic-top-k 4 --dynamic-depth 2 --max-draft-len 5
 EAGLE_BUILD_FLAGS_cuda := --dynamic-tree --dynamic-top-k 8 --dynamic-depth 6 --max-draft-len 48
