@@ -36,13 +36,13 @@ CASES = {
 # name: fused_kernels constants to override (the rest as the engine has them)
 VARIANTS = {
     "engine": {},
+    "64-row tiles": {"TREE_BLOCK_ROWS": 64},
+    "32-row tiles": {"TREE_BLOCK_ROWS": 32},
     "1 block/split": {"TREE_MIN_BLOCKS_PER_SPLIT": 1},
     "4 blocks/split": {"TREE_MIN_BLOCKS_PER_SPLIT": 4},
-    "one split": {"TREE_MIN_BLOCKS_PER_SPLIT": 10 ** 6},
-    "32-row tiles": {"TREE_BLOCK_ROWS": 32},
-    "16-row tiles": {"TREE_BLOCK_ROWS": 16},
+    "32-slot blocks": {"TREE_BLOCK_SLOTS": 32},
+    "128-slot blocks": {"TREE_BLOCK_SLOTS": 128},
     "fp32 as tf32x3": {"FLOAT32_DOT": "tf32x3"},
-    "tf32x3, 32 rows": {"FLOAT32_DOT": "tf32x3", "TREE_BLOCK_ROWS": 32},
 }
 
 

@@ -91,6 +91,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile-tokens", type=int, default=d.profile_tokens,
                    help="after timing, profile one request of this many tokens per smollm2 method and "
                         "one plain decode of the roofline model (0 = off)")
+    p.add_argument("--no-comparisons", dest="comparisons", action="store_false",
+                   help="roofline: skip the re-measurements by kernel level, uncompiled and eager (each compiles again)")
     p.set_defaults(func=run_bench_command)
 
 
@@ -104,6 +106,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                       repeats=args.repeats, target=args.target, drafts=args.drafts, work_dir=args.work_dir,
                       methods=args.methods, num_prompts=args.num_prompts, hf_prompts=args.hf_prompts,
                       profile_tokens=args.profile_tokens, dtype=args.dtype,
+                      comparisons=args.comparisons,
                       max_tokens=args.max_tokens, budget_s=args.budget_s)
     print(f"wrote {run_bench(cfg)}")
     return 0

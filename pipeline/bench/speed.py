@@ -80,6 +80,7 @@ class BenchConfig:
     budget_s: float = 0.0  # per method: stop starting new prompts after this many seconds (0 = no limit)
     lookup_tokens: int = 10  # Hugging Face prompt_lookup_num_tokens
     profile_tokens: int = 0  # one profiled request of this many tokens per engine after timing (0 = off)
+    comparisons: bool = True  # roofline: also re-measure decode by kernel level, uncompiled and eager
     dtype: str = "float32"  # the SmolLM2 engines' weights; bfloat16 puts single tokens on the fused kernels
 
     def __post_init__(self) -> None:
@@ -241,10 +242,13 @@ def run_roofline(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
         costs = verify_costs(engine, ROOFLINE_PROMPT_LEN, VERIFY_TREE_SIZES, cfg.repeats)
         result["verify_ms"] = {str(k): v * 1e3 for k, v in costs.items()}
         result["verify_cost_vs_1"] = {str(k): v / costs[1] for k, v in costs.items()}
+        print(f"roofline: decode {tps:.1f} tok/s = {tps / floor_tps:.1%} of the floor; verification of "
+              f"{max(costs)} tokens {costs[max(costs)] / costs[1]:.2f}x one token", flush=True)
         if cfg.profile_tokens:  # which kernels the remaining gap to the floor is spent in
             result["profile"] = profile_request(engine, prompt, cfg.profile_tokens)
-        if engine.graphs is not None:  # what each kernel level buys: the same compiled graphs, re-captured
-            # (as many tokens and repeats as the main number: the first prefill's noise once moved 32 tokens 7%)
+        if engine.graphs is not None and cfg.comparisons:
+            # What each kernel level buys: the same compiled graphs, re-captured (as many tokens and
+            # repeats as the main number: the first prefill's noise once moved 32 tokens 7%)
             result["decode_tokens_per_s_by_kernels"] = {result["kernels"]: tps}
             for kernels in fused.LEVELS:
                 if kernels not in result["decode_tokens_per_s_by_kernels"]:

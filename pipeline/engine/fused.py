@@ -55,19 +55,27 @@ ATTENTION_CHUNK_SLOTS = 16  # 32 measured slower on the H200 (8.6 against 5.0 us
 ATTENTION_MAX_SPLITS = 64
 # Several tokens (trees, draft passes): tensor-core tiles of TREE_BLOCK_ROWS query rows (token, group
 # member) against TREE_BLOCK_SLOTS slots (tl.dot needs 16 rows at least). Splits per (tile, kv head)
-# aim at ATTENTION_PROGRAMS programs in all, a few per SM, each taking every splits-th block of slots
-# below the step's bound, so that however short the text every split gets a share.
-ATTENTION_PROGRAMS = 1024
-TREE_BLOCK_ROWS = 64
+# aim at ATTENTION_PROGRAMS programs in all, about two per SM, each taking every splits-th block of slots
+# below the step's bound, so that however short the text every split gets a share. (1024 measured
+# 14.2 against 10.3 us a layer for the 8B shape's 64-node tree on a short text, H200: 3 splits and a
+# merge as costly as the attention itself, against 2.)
+ATTENTION_PROGRAMS = 256
+# 16-row tiles: more programs for a tree's rows, and float32 tiles that fit in registers (H200, probe:
+# 8B tree 64 13.9 against 17.5 us a layer with 64-row tiles, 1,500-token text 41.8 against 60.1;
+# SmolLM2 float32 tree 64 15.5 against 205.5).
+TREE_BLOCK_ROWS = 16
 TREE_BLOCK_SLOTS = 64
 TREE_MIN_ROWS = 16
-# A split takes at least this many blocks of the cache's slots (one split writes its output directly, no
-# merge). 2 was best or within 5% of the best on every case of build/probe_tree_attention.py on the H200
-# but the 8B shape's 1,500-token text (59 us a layer against 53 for 4; 73 for 1).
+# A split takes 2 to 4 of the cache's blocks of slots: at most 4 where programs are plenty, so that a
+# long text still spreads over many SMs (one split writes its output directly, no merge). H200 probe
+# (build/probe_tree_attention.py), split counts this rule gives: 8B tree 64, short text 2 (10.3 us a layer,
+# the best measured), 1,500-token text 8 (41.9, the best at this block size); 8B tree 16: 3 (7.3, best);
+# SmolLM2 tree 64: 7, not measured (11 splits took 7.2 us, 6 took 7.4; float32 15.4 and 18.9).
 TREE_MIN_BLOCKS_PER_SPLIT = 2
-# Float32 models' tile products: exact ("ieee", FMA) so that no TF32 rounding reaches the scores. They
-# cost SmolLM2's 64-node EAGLE trees 132 us a call on the H200 (bf16 tiles: 4.6 us); "tf32x3" (three
-# TF32 products, near-float32) is the candidate build/probe_tree_attention.py compares, not yet measured.
+TREE_MAX_BLOCKS_PER_SPLIT = 4
+# Float32 models' tile products: exact ("ieee", FMA) so that no TF32 rounding reaches the scores. With
+# 16-row tiles they cost SmolLM2's 64-node trees 15.4 us a layer on the H200; "tf32x3" (three TF32
+# products, near-float32) measured 14.3, too little to give up exactness for.
 FLOAT32_DOT = "ieee"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from pipeline.engine.fused import (ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_SPLITS, ATTENTION_PROGRAMS, BLOCK_K,
                                    BLOCK_ROWS, FLOAT32_DOT, NUM_WARPS, TREE_BLOCK_ROWS, TREE_BLOCK_SLOTS,
-                                   TREE_MIN_BLOCKS_PER_SPLIT, TREE_MIN_ROWS)
+                                   TREE_MAX_BLOCKS_PER_SPLIT, TREE_MIN_BLOCKS_PER_SPLIT, TREE_MIN_ROWS)
 
 
 @triton.jit
@@ -167,10 +167,13 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_
         scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * sm_scale  # [GROUP_ROWS, CHUNK]
         scores = tl.where(visible[None, :], scores, float("-inf"))
         top = tl.maximum(peak, tl.max(scores, axis=1))
-        if REGION:  # a region row can hide a whole chunk; otherwise every chunk has a visible slot
-            top = tl.where(top == float("-inf"), 0.0, top)
-        rescale = tl.exp(peak - top)
-        p = tl.exp(scores - top[:, None])
+        safe = top
+        if REGION:  # a region row can hide a whole chunk (otherwise every chunk has a visible slot). The
+            # peak stays -inf: a stand-in 0 stored as a hidden split's peak would, against scores all
+            # below about -87, underflow every other split's merge weight to zero
+            safe = tl.where(top == float("-inf"), 0.0, top)
+        rescale = tl.exp(peak - safe)
+        p = tl.exp(scores - safe[:, None])
         total = total * rescale + tl.sum(p, axis=1)
         acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
         peak = top
@@ -270,8 +273,9 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
     else:  # query rows in tensor-core tiles of 16 rows at least; blocks dealt round-robin to the splits
         block_m = max(TREE_MIN_ROWS, min(TREE_BLOCK_ROWS, triton.next_power_of_2(tokens * group)))
         tiles = triton.cdiv(tokens * group, block_m)
-        splits = max(1, min(ATTENTION_MAX_SPLITS, triton.cdiv(slots, TREE_BLOCK_SLOTS * TREE_MIN_BLOCKS_PER_SPLIT),
-                            ATTENTION_PROGRAMS // (tiles * kv_heads)))
+        blocks = triton.cdiv(slots, TREE_BLOCK_SLOTS)
+        splits = min(triton.cdiv(blocks, TREE_MIN_BLOCKS_PER_SPLIT), max(1, ATTENTION_PROGRAMS // (tiles * kv_heads)))
+        splits = min(ATTENTION_MAX_SPLITS, max(splits, triton.cdiv(blocks, TREE_MAX_BLOCKS_PER_SPLIT)))
     direct = tokens > 1 and splits == 1
     m = torch.empty(0 if direct else tokens * heads * splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
