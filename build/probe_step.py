@@ -44,7 +44,9 @@ def main() -> None:
     ap.add_argument("--tree", type=int, default=1, help="tokens per step: 1 decodes, more verifies a tree")
     ap.add_argument("--attention-chunk", type=int, default=None, help="try another ATTENTION_CHUNK_SLOTS")
     ap.add_argument("--gemv", default=None, help="try another GEMV configuration: rows,columns,warps")
+    ap.add_argument("--gated", action="store_true", help="SiLU-and-multiply inside the fc_gate GEMV (fused.GATED_GEMV)")
     args = ap.parse_args()
+    fused.GATED_GEMV = args.gated
     if args.attention_chunk:
         fused_kernels.ATTENTION_CHUNK_SLOTS = args.attention_chunk
     if args.gemv:

@@ -43,6 +43,9 @@ CHECK = textwrap.dedent("""
         w, x, r = torch.randn(n, k, dtype=dtype), torch.randn(k, dtype=dtype), torch.randn(n, dtype=dtype)
         close(gemv(x, w), w.double() @ x.double(), tol)
         close(gemv(x, w, residual=r), w.double() @ x.double() + r.double(), tol)
+        if n % 2 == 0:  # gated: fc rows over gate rows, SiLU(fc x) * (gate x)
+            fc, gate = (w.double() @ x.double()).chunk(2)
+            close(gemv(x, w, gated=True), F.silu(fc) * gate, tol)
     # The fused prologue and epilogues against the unfused layer's own ops. Looser: the interpreter
     # truncates each float32 -> bf16 cast where the GPU rounds to nearest, and the norm rounds twice.
     norm = Transformer(ModelConfig(64, 40, 1, 2, 1, 20, 24, 1e-5, 1e4, None, 64)).layers[0].input_layernorm
@@ -125,6 +128,9 @@ CHECK = textwrap.dedent("""
         close(written[1], cache.v[:, 0, 70], 3e-2)
     step = torch.compile(lambda t: model(t, contexts["graph"])[0], fullgraph=True)  # as the engine's graphs trace it
     close(step(token), want, 3e-2)
+    fused.GATED_GEMV = True  # SiLU-and-multiply inside the fc_gate GEMV: the same step
+    close(model(token, contexts["graph"])[0], want, 4e-2)
+    fused.GATED_GEMV = False
     # A tree step as the graphs run it: the slot-attention kernel against SDPA over the masked cache
     # (in float32 on the CPU, as above).
     model = model.to(half)

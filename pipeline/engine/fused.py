@@ -77,6 +77,9 @@ TREE_MAX_BLOCKS_PER_SPLIT = 4
 # 16-row tiles they cost SmolLM2's 64-node trees 15.4 us a layer on the H200; "tf32x3" (three TF32
 # products, near-float32) measured 14.3, too little to give up exactness for.
 FLOAT32_DOT = "ieee"
+# Whether the fused layer's fc_gate GEMV applies SiLU(fc) * gate itself, one kernel a layer fewer than
+# inductor's SiLU-and-multiply between the GEMVs. Off until measured: build/probe_step.py --gated.
+GATED_GEMV = False
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -131,7 +134,7 @@ def power_of_two(n: int) -> bool:
 
 def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContext", index: int) -> torch.Tensor:
     """DecoderLayer.forward for one token of one sequence (x [1, 1, H]): four GEMVs, rotary with the
-    cache write, the two attention kernels, and what inductor makes of SiLU-and-multiply."""
+    cache write, the two attention kernels, and SiLU-and-multiply (inductor's, or in the third GEMV)."""
     from pipeline.engine.fused_kernels import gemv, rope_store, slot_attention
 
     a, mlp = layer.attention, layer.mlp
@@ -142,5 +145,9 @@ def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContex
     out = slot_attention(q.view(1, a.num_heads, a.head_size), ctx.cache.k[index, 0], ctx.cache.v[index, 0],
                          *ctx.visible_slots())
     h = gemv(out.view(-1), a.dense.weight, residual=h)
-    fc, gate = gemv(h, mlp.fc_gate.weight, layer.post_layernorm.weight, layer.post_layernorm.eps).chunk(2)
-    return gemv(mlp.act(fc) * gate, mlp.proj.weight, residual=h).view_as(x)
+    if GATED_GEMV:
+        gated = gemv(h, mlp.fc_gate.weight, layer.post_layernorm.weight, layer.post_layernorm.eps, gated=True)
+    else:
+        fc, gate = gemv(h, mlp.fc_gate.weight, layer.post_layernorm.weight, layer.post_layernorm.eps).chunk(2)
+        gated = mlp.act(fc) * gate
+    return gemv(gated, mlp.proj.weight, residual=h).view_as(x)

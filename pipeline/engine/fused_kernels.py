@@ -28,12 +28,14 @@ def _gemv_input(x_ptr, norm_ptr, cols, inside, scale, dtype, NORM: tl.constexpr)
 
 
 @triton.jit
-def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                 GATED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[n] = W[n, k] x, each program summing BLOCK_ROWS whole rows in float32.
 
     NORM: x is first RMS-normalised and scaled by norm_ptr (every program recomputes the scale from
     the whole of x: k values from L2, against BLOCK_ROWS * k weights from memory).
+    GATED: W has 2n rows, fc over gate (MLP.fc_gate), and y = SiLU(fc x) * (gate x): each program
+    also sums the gate rows of its fc rows, so the MLP needs no kernel between its two GEMVs.
     RESIDUAL: y += res.
     The first weight tile is requested before the norm's pass over x, so that its latency overlaps it.
     """
@@ -42,7 +44,12 @@ def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps,
     live = rows < n
     cols = tl.arange(0, BLOCK_K)
     inside = cols < k
-    w = tl.load(w_ptr + rows[:, None] * k + cols[None, :], mask=live[:, None] & inside[None, :], other=0.0)
+    tile = rows[:, None] * k + cols[None, :]
+    mask = live[:, None] & inside[None, :]
+    w = tl.load(w_ptr + tile, mask=mask, other=0.0)
+    wg = tl.zeros((BLOCK_ROWS, BLOCK_K), dtype=w.dtype)
+    if GATED:
+        wg = tl.load(w_ptr + n * k + tile, mask=mask, other=0.0)
     scale = 1.0
     if NORM:
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -50,13 +57,26 @@ def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps,
             xs = tl.load(x_ptr + k0 + cols, mask=k0 + cols < k, other=0.0).to(tl.float32)
             squares += xs * xs
         scale = tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
-    acc = w.to(tl.float32) * _gemv_input(x_ptr, norm_ptr, cols, inside, scale, dtype, NORM)[None, :]
+    x = _gemv_input(x_ptr, norm_ptr, cols, inside, scale, dtype, NORM)[None, :]
+    acc = w.to(tl.float32) * x
+    gate = wg.to(tl.float32) * x
     for k0 in range(BLOCK_K, k, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         inside = cols < k
-        w = tl.load(w_ptr + rows[:, None] * k + cols[None, :], mask=live[:, None] & inside[None, :], other=0.0)
-        acc += w.to(tl.float32) * _gemv_input(x_ptr, norm_ptr, cols, inside, scale, dtype, NORM)[None, :]
+        tile = rows[:, None] * k + cols[None, :]
+        mask = live[:, None] & inside[None, :]
+        w = tl.load(w_ptr + tile, mask=mask, other=0.0)
+        if GATED:
+            wg = tl.load(w_ptr + n * k + tile, mask=mask, other=0.0)
+        x = _gemv_input(x_ptr, norm_ptr, cols, inside, scale, dtype, NORM)[None, :]
+        acc += w.to(tl.float32) * x
+        if GATED:
+            gate += wg.to(tl.float32) * x
     y = tl.sum(acc, axis=1)
+    if GATED:  # the unfused roundings: fc and gate outputs, SiLU, the product
+        fc = y.to(dtype).to(tl.float32)
+        act = (fc / (1.0 + tl.exp(-fc))).to(dtype).to(tl.float32)
+        y = act * tl.sum(gate, axis=1).to(dtype).to(tl.float32)
     if RESIDUAL:
         y = y.to(dtype).to(tl.float32) + tl.load(res_ptr + rows, mask=live, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(dtype), mask=live)
@@ -64,21 +84,23 @@ def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps,
 
 @torch.library.custom_op("specpipe::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [K] times w [N, K] (row-major) -> [N] in x's dtype, see _gemv_kernel."""
+         residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """x [K] times w [N, K] (row-major) -> [N] in x's dtype ([N / 2] gated), see _gemv_kernel."""
     x, w = x.contiguous(), w.contiguous()
     n, k = w.shape
+    n = n // 2 if gated else n
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, BLOCK_ROWS),)](
         w, x, y, x if norm is None else norm.contiguous(), x if residual is None else residual.contiguous(),
-        n, k, eps, NORM=norm is not None, RESIDUAL=residual is not None, BLOCK_ROWS=BLOCK_ROWS, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+        n, k, eps, NORM=norm is not None, RESIDUAL=residual is not None, GATED=gated, BLOCK_ROWS=BLOCK_ROWS,
+        BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     return y
 
 
 @gemv.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
-      residual: torch.Tensor | None = None) -> torch.Tensor:
-    return x.new_empty(w.shape[0])
+      residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    return x.new_empty(w.shape[0] // 2 if gated else w.shape[0])
 
 
 @triton.jit
