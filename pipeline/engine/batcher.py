@@ -6,8 +6,8 @@ hold rows 0..n-1 and a step reads one contiguous slice of the cache. A step with
 request is exactly the single-stream step (same kernels, CUDA graphs included), so batch-1 output
 is unchanged, and a greedy request alone queues several steps on the device per host read
 (`_run_ahead`), the next group queued before the current one is read, so the device does not wait
-while the host reads, emits and launches. Speculative engines do not batch: their proposers keep per-request state (draft KV
-caches, head inputs), so they serve one request at a time.
+while the host reads, emits and launches. Speculative engines do not batch: their proposers keep
+per-request state (draft KV caches, head inputs), so they serve one request at a time.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from pipeline.engine.model import decode_context
-from pipeline.engine.readback import Pending, Readback
+from pipeline.engine.readback import Pending
 from pipeline.engine.request import StopChecker, StreamChunk
 from pipeline.engine.sampling import SamplingParams, choose
 from pipeline.engine.stats import SpecStats
@@ -67,7 +67,6 @@ class Batcher:
         self.active: list[_Request] = []  # request i holds cache row i
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None  # runs while any request is pending or active
-        self.readback = Readback()
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
         generator, stop = self.engine.request_state(params)
@@ -172,7 +171,7 @@ class Batcher:
             token = engine.greedy(hidden)
             chosen.append(token)
         r.length += steps
-        return _Group(self.readback.start(torch.cat(chosen)), token)
+        return _Group(engine.readback.start(torch.cat(chosen)), token)
 
     def _emit(self, requests: list[_Request], tokens: list[list[int]], counts_step: bool) -> None:
         """Each request's new tokens, in order, through its stop conditions; one chunk per request."""

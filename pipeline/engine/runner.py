@@ -95,7 +95,7 @@ class Engine:
                                None if self.device.type == "cuda" else False)
         self.batcher = Batcher(self) if isinstance(self.proposer, PlainProposer) else None
         self._lock = threading.Lock()  # speculative engines: one request at a time
-        self.readback = Readback()
+        self.readback = Readback()  # host copies of queued steps (this loop's or the batcher's)
 
     @classmethod
     def from_dir(cls, engine_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> "Engine":
