@@ -28,20 +28,10 @@ def _gemv_input(x_ptr, norm_ptr, cols, inside, scale, dtype, NORM: tl.constexpr)
 
 
 @triton.jit
-def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                 GATED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[n] = W[n, k] x, each program summing BLOCK_ROWS whole rows in float32.
-
-    NORM: x is first RMS-normalised and scaled by norm_ptr (every program recomputes the scale from
-    the whole of x: k values from L2, against BLOCK_ROWS * k weights from memory).
-    GATED: W has 2n rows, fc over gate (MLP.fc_gate), and y = SiLU(fc x) * (gate x): each program
-    also sums the gate rows of its fc rows, so the MLP needs no kernel between its two GEMVs.
-    RESIDUAL: y += res.
-    The first weight tile is requested before the norm's pass over x, so that its latency overlaps it.
-    """
-    dtype = y_ptr.dtype.element_ty
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    live = rows < n
+def _gemv_rows(w_ptr, x_ptr, norm_ptr, rows, live, n, k, eps, dtype, NORM: tl.constexpr, GATED: tl.constexpr,
+               BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The float32 sums of W's rows `rows` (and, GATED, of the rows n further on) times x: the loop
+    over K of _gemv_kernel, whose docstring says what NORM and GATED do. Returns (sums, gate sums)."""
     cols = tl.arange(0, BLOCK_K)
     inside = cols < k
     tile = rows[:, None] * k + cols[None, :]
@@ -72,11 +62,29 @@ def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps, NORM: tl.con
         acc += w.to(tl.float32) * x
         if GATED:
             gate += wg.to(tl.float32) * x
-    y = tl.sum(acc, axis=1)
+    return tl.sum(acc, axis=1), tl.sum(gate, axis=1)
+
+
+@triton.jit
+def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                 GATED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[n] = W[n, k] x, each program summing BLOCK_ROWS whole rows in float32.
+
+    NORM: x is first RMS-normalised and scaled by norm_ptr (every program recomputes the scale from
+    the whole of x: k values from L2, against BLOCK_ROWS * k weights from memory).
+    GATED: W has 2n rows, fc over gate (MLP.fc_gate), and y = SiLU(fc x) * (gate x): each program
+    also sums the gate rows of its fc rows, so the MLP needs no kernel between its two GEMVs.
+    RESIDUAL: y += res.
+    The first weight tile is requested before the norm's pass over x, so that its latency overlaps it.
+    """
+    dtype = y_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    live = rows < n
+    y, gate = _gemv_rows(w_ptr, x_ptr, norm_ptr, rows, live, n, k, eps, dtype, NORM, GATED, BLOCK_ROWS, BLOCK_K)
     if GATED:  # the unfused roundings: fc and gate outputs, SiLU, the product
         fc = y.to(dtype).to(tl.float32)
         act = (fc / (1.0 + tl.exp(-fc))).to(dtype).to(tl.float32)
-        y = act * tl.sum(gate, axis=1).to(dtype).to(tl.float32)
+        y = act * gate.to(dtype).to(tl.float32)
     if RESIDUAL:
         y = y.to(dtype).to(tl.float32) + tl.load(res_ptr + rows, mask=live, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(dtype), mask=live)
@@ -104,6 +112,15 @@ def _(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None, eps: f
 
 
 @triton.jit
+def _rotary(x, rotated, cos_ptr, sin_ptr, offsets, dtype):
+    """x cos + rotated sin (rotate-half RoPE) with the unfused rotary's roundings: the float32 tables
+    and both products in dtype."""
+    cos = tl.load(cos_ptr + offsets).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + offsets).to(dtype).to(tl.float32)
+    return (x * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
                        layer_offset, stride_slot, stride_head,
                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD: tl.constexpr):
@@ -116,10 +133,7 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_pt
     if head < HEADS + KV_HEADS:
         pos = tl.load(pos_ptr)
         partner = tl.load(qkv_ptr + head * HEAD + (dims + HEAD // 2) % HEAD).to(tl.float32)
-        rotated = tl.where(dims < HEAD // 2, -partner, partner)
-        cos = tl.load(cos_ptr + pos * HEAD + dims).to(dtype).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * HEAD + dims).to(dtype).to(tl.float32)
-        x = (x * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)
+        x = _rotary(x, tl.where(dims < HEAD // 2, -partner, partner), cos_ptr, sin_ptr, pos * HEAD + dims, dtype)
     if head < HEADS:
         tl.store(q_ptr + head * HEAD + dims, x.to(dtype))
     else:
@@ -131,17 +145,23 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_pt
                      x.to(dtype))
 
 
+def _cache_offsets(k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   layer: int) -> tuple[int, int, int]:
+    """(layer offset, slot stride, head stride) of the caches [layers, rows, slots, Hkv, D] for the rotary kernels."""
+    assert k_cache.stride() == v_cache.stride() and cos.is_contiguous() and sin.is_contiguous()
+    return layer * k_cache.stride(0), k_cache.stride(2), k_cache.stride(3)
+
+
 @torch.library.custom_op("specpipe::rope_store", mutates_args=("k_cache", "v_cache"))
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor, slot: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, heads: int) -> torch.Tensor:
     """One token's qkv [(H + 2 Hkv) D] -> rotated q [H D]; rotated k and v land in batch row 0 of
     k_cache, v_cache [layers, rows, slots, Hkv, D] at layer `layer`, slot slot[0], RoPE position position[0]."""
     kv_heads, head = k_cache.shape[-2], k_cache.shape[-1]
-    assert k_cache.stride() == v_cache.stride() and cos.is_contiguous() and sin.is_contiguous()
     q = qkv.new_empty(heads * head)
     _rope_store_kernel[(heads + 2 * kv_heads,)](
-        qkv.contiguous(), cos, sin, position, slot, q, k_cache, v_cache, layer * k_cache.stride(0),
-        k_cache.stride(2), k_cache.stride(3), HEADS=heads, KV_HEADS=kv_heads, HEAD=head)
+        qkv.contiguous(), cos, sin, position, slot, q, k_cache, v_cache,
+        *_cache_offsets(k_cache, v_cache, cos, sin, layer), HEADS=heads, KV_HEADS=kv_heads, HEAD=head)
     return q
 
 
