@@ -25,8 +25,9 @@ CHECK = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     from pipeline.engine import fused
-    from pipeline.engine.fused_kernels import gemv, slot_attention
-    from pipeline.engine.model import KVCache, Linear, ModelConfig, Transformer, full_slot_context, make_context
+    from pipeline.engine.fused_kernels import gemv, gemv_rope_store, rope_store, slot_attention
+    from pipeline.engine.model import (KVCache, Linear, ModelConfig, Rotary, Transformer, full_slot_context,
+                                       make_context)
 
     torch.manual_seed(0)
     torch.set_grad_enabled(False)  # the engine never takes gradients; the ops have no backward
@@ -53,6 +54,17 @@ CHECK = textwrap.dedent("""
     norm.weight.normal_()
     x, w2 = torch.randn(40, dtype=torch.bfloat16), torch.randn(2 * 24, 40, dtype=torch.bfloat16)
     close(gemv(x, w2, norm.weight, norm.eps), F.linear(norm(x), w2), 4e-2)
+    # The QKV GEMV with rotary and the cache write as its epilogue against the two kernels it replaces,
+    # which sum and round the same way: the same cache, bit for bit (other rows and slots stay zero).
+    for heads, kv_heads, dim, k in ((6, 2, 16, 40), (4, 2, 64, 1100)):
+        w = torch.randn((heads + 2 * kv_heads) * dim, k, dtype=torch.bfloat16)
+        x, g = torch.randn(k, dtype=torch.bfloat16), torch.randn(k, dtype=torch.bfloat16)
+        rotary = Rotary(dim, 1e4, None, 64)
+        want_k, want_v, got_k, got_v = (torch.zeros(2, 2, 10, kv_heads, dim, dtype=torch.bfloat16) for _ in range(4))
+        rope_args = rotary.cos, rotary.sin, torch.tensor([37]), torch.tensor([6])  # RoPE position, cache slot
+        want = rope_store(gemv(x, w, g, 1e-5), *rope_args, want_k, want_v, 1, heads)
+        close(gemv_rope_store(x, w, g, 1e-5, *rope_args, got_k, got_v, 1, heads), want, 1e-2)
+        assert want_k[1, 0, 6].any() and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
     lin = Linear(64, 24, bias=True).to(torch.bfloat16)
     fused.attach(lin, "gemv", (device,))
@@ -117,17 +129,20 @@ CHECK = textwrap.dedent("""
                 "graph": full_slot_context(cache, model.rotary, torch.tensor(70), torch.tensor([70]),
                                            torch.tensor([70]), torch.ones(1, 1, dtype=torch.bool),
                                            torch.arange(80))}
-    for name, ctx in contexts.items():
-        got, _ = model(token, ctx)
-        written = cache.k[:, 0, 70].clone(), cache.v[:, 0, 70].clone()  # the fused rotary's cache write
-        fused.attach(model, "gemv", (device,))
-        want, _ = model(token, ctx)
-        fused.attach(model, "fused", (device,))
-        close(got, want, 4e-2)  # as loose as the norm above: two bf16 residual sums and a norm apart
-        close(written[0], cache.k[:, 0, 70], 3e-2)
-        close(written[1], cache.v[:, 0, 70], 3e-2)
-    step = torch.compile(lambda t: model(t, contexts["graph"])[0], fullgraph=True)  # as the engine's graphs trace it
-    close(step(token), want, 3e-2)
+    for rope_in_gemv in (False, True):  # rotary and the cache write after the QKV GEMV, then in it (the default)
+        fused.ROPE_IN_GEMV = rope_in_gemv
+        for name, ctx in contexts.items():
+            cache.k[:, 0, 70] = cache.v[:, 0, 70] = 0  # what the fused step leaves there is its own write
+            got, _ = model(token, ctx)
+            written = cache.k[:, 0, 70].clone(), cache.v[:, 0, 70].clone()  # the fused rotary's cache write
+            fused.attach(model, "gemv", (device,))
+            want, _ = model(token, ctx)
+            fused.attach(model, "fused", (device,))
+            close(got, want, 4e-2)  # as loose as the norm above: two bf16 residual sums and a norm apart
+            close(written[0], cache.k[:, 0, 70], 3e-2)
+            close(written[1], cache.v[:, 0, 70], 3e-2)
+        step = torch.compile(lambda t: model(t, contexts["graph"])[0], fullgraph=True)  # as the engine's graphs trace it
+        close(step(token), want, 3e-2)
     fused.GATED_GEMV = True  # SiLU-and-multiply inside the fc_gate GEMV: the same step
     close(model(token, contexts["graph"])[0], want, 4e-2)
     fused.GATED_GEMV = False

@@ -145,6 +145,44 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_pt
                      x.to(dtype))
 
 
+@triton.jit
+def _gemv_rope_kernel(w_ptr, x_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, k, eps,
+                      layer_offset, stride_slot, stride_head, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                      HEAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_rope_store_kernel as the epilogue of the QKV GEMV (_gemv_kernel with NORM), one kernel a layer
+    fewer. Rotate-half RoPE pairs dim j of a head with dim j + HEAD / 2, so a program of the q and k
+    heads sums BLOCK_ROWS / 2 such pairs of rows, side by side, rather than consecutive rows: it then
+    holds every partner it rotates with. Each row of W is contiguous, so the reads coalesce as well.
+    Programs of the v heads sum consecutive rows, which they only store."""
+    dtype = q_ptr.dtype.element_ty
+    PAIRS: tl.constexpr = BLOCK_ROWS // 2
+    HALF: tl.constexpr = HEAD // 2
+    program = tl.program_id(0)
+    rotated = program < (HEADS + KV_HEADS) * HEAD // BLOCK_ROWS
+    i = tl.arange(0, BLOCK_ROWS)
+    head, first = program * PAIRS // HALF, program * PAIRS % HALF  # a q or k program's head, its first j
+    dims = first + tl.arange(0, PAIRS)  # its dims j in the head's first half
+    pairs = head * HEAD + first + i // 2 + i % 2 * HALF  # rows j, j + HALF, j + 1, j + 1 + HALF, ...
+    rows = tl.where(rotated, pairs, program * BLOCK_ROWS + i)
+    pos, slot = tl.load(pos_ptr), tl.load(slot_ptr)  # in flight during the products, not after them
+    n = (HEADS + 2 * KV_HEADS) * HEAD
+    y, _ = _gemv_rows(w_ptr, x_ptr, norm_ptr, rows, rows < n, n, k, eps, dtype, True, False, BLOCK_ROWS, BLOCK_K)
+    y = y.to(dtype).to(tl.float32)  # the unfused GEMV's output
+    if rotated:
+        low, high = tl.split(tl.reshape(y, (PAIRS, 2)))
+        out_low = _rotary(low, -high, cos_ptr, sin_ptr, pos * HEAD + dims, dtype)
+        out_high = _rotary(high, low, cos_ptr, sin_ptr, pos * HEAD + HALF + dims, dtype)
+        if head < HEADS:
+            out_ptr = q_ptr + head * HEAD
+        else:
+            out_ptr = k_ptr + layer_offset + slot * stride_slot + (head - HEADS) * stride_head
+        tl.store(out_ptr + dims, out_low.to(dtype))
+        tl.store(out_ptr + HALF + dims, out_high.to(dtype))
+    else:
+        v_rows = rows - (HEADS + KV_HEADS) * HEAD
+        tl.store(v_ptr + layer_offset + slot * stride_slot + v_rows // HEAD * stride_head + v_rows % HEAD, y.to(dtype))
+
+
 def _cache_offsets(k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    layer: int) -> tuple[int, int, int]:
     """(layer offset, slot stride, head stride) of the caches [layers, rows, slots, Hkv, D] for the rotary kernels."""
@@ -169,6 +207,31 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
 def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor, slot: torch.Tensor,
       k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, heads: int) -> torch.Tensor:
     return qkv.new_empty(heads * k_cache.shape[-1])
+
+
+@torch.library.custom_op("specpipe::gemv_rope_store", mutates_args=("k_cache", "v_cache"))
+def gemv_rope_store(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor, position: torch.Tensor, slot: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, layer: int, heads: int) -> torch.Tensor:
+    """rope_store(gemv(x, w, norm, eps), cos, sin, position, slot, k_cache, v_cache, layer, heads) in
+    one kernel (_gemv_rope_kernel): x [K] RMS-normalised times w [(H + 2 Hkv) D, K] -> rotated q [H D]."""
+    kv_heads, head = k_cache.shape[-2], k_cache.shape[-1]
+    assert w.shape[0] == (heads + 2 * kv_heads) * head
+    assert BLOCK_ROWS >= 2 and head % BLOCK_ROWS == 0, "a program's row pairs must lie in one head"
+    x, w = x.contiguous(), w.contiguous()
+    q = x.new_empty(heads * head)
+    _gemv_rope_kernel[(w.shape[0] // BLOCK_ROWS,)](
+        w, x, norm.contiguous(), cos, sin, position, slot, q, k_cache, v_cache, w.shape[1], eps,
+        *_cache_offsets(k_cache, v_cache, cos, sin, layer), HEADS=heads, KV_HEADS=kv_heads, HEAD=head,
+        BLOCK_ROWS=BLOCK_ROWS, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+    return q
+
+
+@gemv_rope_store.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+      position: torch.Tensor, slot: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
+      heads: int) -> torch.Tensor:
+    return x.new_empty(heads * k_cache.shape[-1])
 
 
 @triton.jit
