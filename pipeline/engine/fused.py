@@ -7,13 +7,14 @@ matrices stream from memory, plus whatever each layer spends between them. Two l
   program summing BLOCK_ROWS whole rows in float32. On an H200, with a new matrix each call as in a
   real step (build/probe_gemv.py), it reads the Llama-3-8B projections at 3.1-4.3 TB/s; the 129
   products of one token took 3.48 ms against cuBLAS's 4.04 ms in an earlier probe that reused them.
-- fused (the default): a decoder layer becomes four GEMVs and one attention. The RMS norms run
-  inside the GEMVs that read them (QKV, gate/up), the residual adds inside the GEMVs that produce
-  them (output and down projections), and attention is a flash-decoding kernel that reads only the
-  slots in use. What stays in torch (rotary, the cache write, SiLU-and-multiply) torch.compile
-  fuses: SiLU inside gate/up made each program read two distant row blocks, 7-11 us a layer slower.
-  Layers the kernels do not cover (biases, other activations, no input norm, head sizes that are not
-  a power of two) keep the gemv level.
+- fused (the default): a decoder layer becomes four GEMVs and one attention kernel, each kernel
+  boundary costing a microsecond or more. The RMS norms run inside the GEMVs that read them (QKV,
+  gate/up), rotary and the cache write inside the QKV GEMV, the residual adds inside the GEMVs that
+  produce them (output and down projections), and attention is a flash-decoding kernel that reads
+  only the slots in use and merges its splits itself. SiLU-and-multiply stays a kernel of inductor's
+  unless GATED_GEMV: inside gate/up, each program reading two distant row blocks, it measured 7-11 us
+  a layer slower once. Layers the kernels do not cover (biases, other activations, no input norm,
+  head sizes that are not a power of two) keep the gemv level.
 
 Steps with more tokens (trees, an EAGLE draft's passes) keep cuBLAS for their products, but their
 attention, like a single token's, goes through the slot-attention kernel whenever the CUDA graphs
@@ -80,6 +81,14 @@ FLOAT32_DOT = "ieee"
 # Whether the fused layer's fc_gate GEMV applies SiLU(fc) * gate itself, one kernel a layer fewer than
 # inductor's SiLU-and-multiply between the GEMVs. Off until measured: build/probe_step.py --gated.
 GATED_GEMV = False
+# Whether the fused layer's QKV GEMV rotates q and k and writes k and v to the cache itself, instead of
+# rope_store in a kernel of its own after it (build/probe_step.py --no-rope-gemv compares).
+ROPE_IN_GEMV = True
+# Whether a single token's attention merges its splits in the split kernel (the last split of a kv head
+# to finish merges them), instead of in a second kernel (build/probe_step.py --split-merge compares).
+MERGE_IN_ATTENTION = True
+# The in-kernel merge's arrival counters: one a kv head, in one buffer a device.
+ATTENTION_MAX_KV_HEADS = 256
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -99,7 +108,10 @@ def attach(model: nn.Module, kernels: str | None = None, device_types: tuple[str
     attentions = [m for m in model.modules() if isinstance(m, Attention) and m.qkv.weight.device.type in device_types]
     slot_attention = None
     if kernels != "off" and attentions:
-        from pipeline.engine.fused_kernels import slot_attention
+        from pipeline.engine.fused_kernels import merge_counters, slot_attention
+
+        for device in {m.qkv.weight.device for m in attentions}:
+            merge_counters(device)  # now, before any CUDA graph captures a step
     for m in attentions:
         m.slot_attention = slot_attention if power_of_two(m.head_size) else None
 
@@ -133,15 +145,20 @@ def power_of_two(n: int) -> bool:
 
 
 def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContext", index: int) -> torch.Tensor:
-    """DecoderLayer.forward for one token of one sequence (x [1, 1, H]): four GEMVs, rotary with the
-    cache write, the two attention kernels, and SiLU-and-multiply (inductor's, or in the third GEMV)."""
-    from pipeline.engine.fused_kernels import gemv, rope_store, slot_attention
+    """DecoderLayer.forward for one token of one sequence (x [1, 1, H]): four GEMVs, the first with
+    rotary and the cache write in it (ROPE_IN_GEMV; else a kernel of their own), one attention kernel
+    (MERGE_IN_ATTENTION; else two), and SiLU-and-multiply in the third GEMV (GATED_GEMV; else inductor's
+    kernel). Five kernels with all three flags."""
+    from pipeline.engine.fused_kernels import gemv, gemv_rope_store, rope_store, slot_attention
 
-    a, mlp = layer.attention, layer.mlp
+    a, mlp, norm = layer.attention, layer.mlp, layer.input_layernorm
     h = x.view(-1)
-    qkv = gemv(h, a.qkv.weight, layer.input_layernorm.weight, layer.input_layernorm.eps)
-    q = rope_store(qkv, ctx.rotary.cos, ctx.rotary.sin, ctx.positions.view(-1), ctx.slots.view(-1),
-                   ctx.cache.k, ctx.cache.v, index, a.num_heads)
+    rope = (ctx.rotary.cos, ctx.rotary.sin, ctx.positions.view(-1), ctx.slots.view(-1), ctx.cache.k, ctx.cache.v,
+            index, a.num_heads)
+    if ROPE_IN_GEMV:
+        q = gemv_rope_store(h, a.qkv.weight, norm.weight, norm.eps, *rope)
+    else:
+        q = rope_store(gemv(h, a.qkv.weight, norm.weight, norm.eps), *rope)
     out = slot_attention(q.view(1, a.num_heads, a.head_size), ctx.cache.k[index, 0], ctx.cache.v[index, 0],
                          *ctx.visible_slots())
     h = gemv(out.view(-1), a.dense.weight, residual=h)

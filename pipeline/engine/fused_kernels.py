@@ -12,9 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from pipeline.engine.fused import (ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_SPLITS, ATTENTION_PROGRAMS, BLOCK_K,
-                                   BLOCK_ROWS, FLOAT32_DOT, NUM_WARPS, TREE_BLOCK_ROWS, TREE_BLOCK_SLOTS,
-                                   TREE_MAX_BLOCKS_PER_SPLIT, TREE_MIN_BLOCKS_PER_SPLIT, TREE_MIN_ROWS)
+from pipeline.engine import fused  # its flags, read at each call so that tests and probes can switch them
+from pipeline.engine.fused import (ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_KV_HEADS, ATTENTION_MAX_SPLITS,
+                                   ATTENTION_PROGRAMS, BLOCK_K, BLOCK_ROWS, FLOAT32_DOT, NUM_WARPS, TREE_BLOCK_ROWS,
+                                   TREE_BLOCK_SLOTS, TREE_MAX_BLOCKS_PER_SPLIT, TREE_MIN_BLOCKS_PER_SPLIT,
+                                   TREE_MIN_ROWS)
 
 
 @triton.jit
@@ -28,20 +30,10 @@ def _gemv_input(x_ptr, norm_ptr, cols, inside, scale, dtype, NORM: tl.constexpr)
 
 
 @triton.jit
-def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                 GATED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[n] = W[n, k] x, each program summing BLOCK_ROWS whole rows in float32.
-
-    NORM: x is first RMS-normalised and scaled by norm_ptr (every program recomputes the scale from
-    the whole of x: k values from L2, against BLOCK_ROWS * k weights from memory).
-    GATED: W has 2n rows, fc over gate (MLP.fc_gate), and y = SiLU(fc x) * (gate x): each program
-    also sums the gate rows of its fc rows, so the MLP needs no kernel between its two GEMVs.
-    RESIDUAL: y += res.
-    The first weight tile is requested before the norm's pass over x, so that its latency overlaps it.
-    """
-    dtype = y_ptr.dtype.element_ty
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    live = rows < n
+def _gemv_rows(w_ptr, x_ptr, norm_ptr, rows, live, n, k, eps, dtype, NORM: tl.constexpr, GATED: tl.constexpr,
+               BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The float32 sums of W's rows `rows` (and, GATED, of the rows n further on) times x: the loop
+    over K of _gemv_kernel, whose docstring says what NORM and GATED do. Returns (sums, gate sums)."""
     cols = tl.arange(0, BLOCK_K)
     inside = cols < k
     tile = rows[:, None] * k + cols[None, :]
@@ -72,11 +64,29 @@ def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps, NORM: tl.con
         acc += w.to(tl.float32) * x
         if GATED:
             gate += wg.to(tl.float32) * x
-    y = tl.sum(acc, axis=1)
+    return tl.sum(acc, axis=1), tl.sum(gate, axis=1)
+
+
+@triton.jit
+def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                 GATED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[n] = W[n, k] x, each program summing BLOCK_ROWS whole rows in float32.
+
+    NORM: x is first RMS-normalised and scaled by norm_ptr (every program recomputes the scale from
+    the whole of x: k values from L2, against BLOCK_ROWS * k weights from memory).
+    GATED: W has 2n rows, fc over gate (MLP.fc_gate), and y = SiLU(fc x) * (gate x): each program
+    also sums the gate rows of its fc rows, so the MLP needs no kernel between its two GEMVs.
+    RESIDUAL: y += res.
+    The first weight tile is requested before the norm's pass over x, so that its latency overlaps it.
+    """
+    dtype = y_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    live = rows < n
+    y, gate = _gemv_rows(w_ptr, x_ptr, norm_ptr, rows, live, n, k, eps, dtype, NORM, GATED, BLOCK_ROWS, BLOCK_K)
     if GATED:  # the unfused roundings: fc and gate outputs, SiLU, the product
         fc = y.to(dtype).to(tl.float32)
         act = (fc / (1.0 + tl.exp(-fc))).to(dtype).to(tl.float32)
-        y = act * tl.sum(gate, axis=1).to(dtype).to(tl.float32)
+        y = act * gate.to(dtype).to(tl.float32)
     if RESIDUAL:
         y = y.to(dtype).to(tl.float32) + tl.load(res_ptr + rows, mask=live, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(dtype), mask=live)
@@ -104,6 +114,15 @@ def _(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None, eps: f
 
 
 @triton.jit
+def _rotary(x, rotated, cos_ptr, sin_ptr, offsets, dtype):
+    """x cos + rotated sin (rotate-half RoPE) with the unfused rotary's roundings: the float32 tables
+    and both products in dtype."""
+    cos = tl.load(cos_ptr + offsets).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + offsets).to(dtype).to(tl.float32)
+    return (x * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
                        layer_offset, stride_slot, stride_head,
                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD: tl.constexpr):
@@ -116,10 +135,7 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_pt
     if head < HEADS + KV_HEADS:
         pos = tl.load(pos_ptr)
         partner = tl.load(qkv_ptr + head * HEAD + (dims + HEAD // 2) % HEAD).to(tl.float32)
-        rotated = tl.where(dims < HEAD // 2, -partner, partner)
-        cos = tl.load(cos_ptr + pos * HEAD + dims).to(dtype).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * HEAD + dims).to(dtype).to(tl.float32)
-        x = (x * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)
+        x = _rotary(x, tl.where(dims < HEAD // 2, -partner, partner), cos_ptr, sin_ptr, pos * HEAD + dims, dtype)
     if head < HEADS:
         tl.store(q_ptr + head * HEAD + dims, x.to(dtype))
     else:
@@ -131,17 +147,61 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_pt
                      x.to(dtype))
 
 
+@triton.jit
+def _gemv_rope_kernel(w_ptr, x_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, k, eps,
+                      layer_offset, stride_slot, stride_head, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                      HEAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_rope_store_kernel as the epilogue of the QKV GEMV (_gemv_kernel with NORM), one kernel a layer
+    fewer. Rotate-half RoPE pairs dim j of a head with dim j + HEAD / 2, so a program of the q and k
+    heads sums BLOCK_ROWS / 2 such pairs of rows, side by side, rather than consecutive rows: it then
+    holds every partner it rotates with. Each row of W is contiguous, so the reads coalesce as well.
+    Programs of the v heads sum consecutive rows, which they only store."""
+    dtype = q_ptr.dtype.element_ty
+    PAIRS: tl.constexpr = BLOCK_ROWS // 2
+    HALF: tl.constexpr = HEAD // 2
+    program = tl.program_id(0)
+    rotated = program < (HEADS + KV_HEADS) * HEAD // BLOCK_ROWS
+    i = tl.arange(0, BLOCK_ROWS)
+    head, first = program * PAIRS // HALF, program * PAIRS % HALF  # a q or k program's head, its first j
+    dims = first + tl.arange(0, PAIRS)  # its dims j in the head's first half
+    pairs = head * HEAD + first + i // 2 + i % 2 * HALF  # rows j, j + HALF, j + 1, j + 1 + HALF, ...
+    rows = tl.where(rotated, pairs, program * BLOCK_ROWS + i)
+    pos, slot = tl.load(pos_ptr), tl.load(slot_ptr)  # in flight during the products, not after them
+    n = (HEADS + 2 * KV_HEADS) * HEAD
+    y, _ = _gemv_rows(w_ptr, x_ptr, norm_ptr, rows, rows < n, n, k, eps, dtype, True, False, BLOCK_ROWS, BLOCK_K)
+    y = y.to(dtype).to(tl.float32)  # the unfused GEMV's output
+    if rotated:
+        low, high = tl.split(tl.reshape(y, (PAIRS, 2)))
+        out_low = _rotary(low, -high, cos_ptr, sin_ptr, pos * HEAD + dims, dtype)
+        out_high = _rotary(high, low, cos_ptr, sin_ptr, pos * HEAD + HALF + dims, dtype)
+        if head < HEADS:
+            out_ptr = q_ptr + head * HEAD
+        else:
+            out_ptr = k_ptr + layer_offset + slot * stride_slot + (head - HEADS) * stride_head
+        tl.store(out_ptr + dims, out_low.to(dtype))
+        tl.store(out_ptr + HALF + dims, out_high.to(dtype))
+    else:
+        v_rows = rows - (HEADS + KV_HEADS) * HEAD
+        tl.store(v_ptr + layer_offset + slot * stride_slot + v_rows // HEAD * stride_head + v_rows % HEAD, y.to(dtype))
+
+
+def _cache_offsets(k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   layer: int) -> tuple[int, int, int]:
+    """(layer offset, slot stride, head stride) of the caches [layers, rows, slots, Hkv, D] for the rotary kernels."""
+    assert k_cache.stride() == v_cache.stride() and cos.is_contiguous() and sin.is_contiguous()
+    return layer * k_cache.stride(0), k_cache.stride(2), k_cache.stride(3)
+
+
 @torch.library.custom_op("specpipe::rope_store", mutates_args=("k_cache", "v_cache"))
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor, slot: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, heads: int) -> torch.Tensor:
     """One token's qkv [(H + 2 Hkv) D] -> rotated q [H D]; rotated k and v land in batch row 0 of
     k_cache, v_cache [layers, rows, slots, Hkv, D] at layer `layer`, slot slot[0], RoPE position position[0]."""
     kv_heads, head = k_cache.shape[-2], k_cache.shape[-1]
-    assert k_cache.stride() == v_cache.stride() and cos.is_contiguous() and sin.is_contiguous()
     q = qkv.new_empty(heads * head)
     _rope_store_kernel[(heads + 2 * kv_heads,)](
-        qkv.contiguous(), cos, sin, position, slot, q, k_cache, v_cache, layer * k_cache.stride(0),
-        k_cache.stride(2), k_cache.stride(3), HEADS=heads, KV_HEADS=kv_heads, HEAD=head)
+        qkv.contiguous(), cos, sin, position, slot, q, k_cache, v_cache,
+        *_cache_offsets(k_cache, v_cache, cos, sin, layer), HEADS=heads, KV_HEADS=kv_heads, HEAD=head)
     return q
 
 
@@ -151,11 +211,54 @@ def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.T
     return qkv.new_empty(heads * k_cache.shape[-1])
 
 
+@torch.library.custom_op("specpipe::gemv_rope_store", mutates_args=("k_cache", "v_cache"))
+def gemv_rope_store(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor, position: torch.Tensor, slot: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, layer: int, heads: int) -> torch.Tensor:
+    """rope_store(gemv(x, w, norm, eps), cos, sin, position, slot, k_cache, v_cache, layer, heads) in
+    one kernel (_gemv_rope_kernel): x [K] RMS-normalised times w [(H + 2 Hkv) D, K] -> rotated q [H D]."""
+    kv_heads, head = k_cache.shape[-2], k_cache.shape[-1]
+    assert w.shape[0] == (heads + 2 * kv_heads) * head
+    assert BLOCK_ROWS >= 2 and head % BLOCK_ROWS == 0, "a program's row pairs must lie in one head"
+    x, w = x.contiguous(), w.contiguous()
+    q = x.new_empty(heads * head)
+    _gemv_rope_kernel[(w.shape[0] // BLOCK_ROWS,)](
+        w, x, norm.contiguous(), cos, sin, position, slot, q, k_cache, v_cache, w.shape[1], eps,
+        *_cache_offsets(k_cache, v_cache, cos, sin, layer), HEADS=heads, KV_HEADS=kv_heads, HEAD=head,
+        BLOCK_ROWS=BLOCK_ROWS, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+    return q
+
+
+@gemv_rope_store.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+      position: torch.Tensor, slot: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
+      heads: int) -> torch.Tensor:
+    return x.new_empty(heads * k_cache.shape[-1])
+
+
+@triton.jit
+def _merge_splits(m_ptr, l_ptr, o_ptr, query, num_splits, used, HEAD: tl.constexpr, SPLIT_ROWS: tl.constexpr):
+    """One query row's output, float32 [HEAD]: the partial softmaxes of splits [0, used) rescaled to a
+    common max and summed (a split that saw nothing has peak -inf and weight 0). The loads skip L1
+    (.cg): in the split kernel's own merge, other programs of the same launch wrote the partials."""
+    splits = tl.arange(0, SPLIT_ROWS)
+    dims = tl.arange(0, HEAD)
+    live = splits < used
+    rows = query * num_splits + splits
+    peak = tl.load(m_ptr + rows, mask=live, other=float("-inf"), cache_modifier=".cg")
+    top = tl.max(peak, axis=0)
+    weight = tl.where(peak == float("-inf"), 0.0, tl.exp(peak - top))
+    total = tl.sum(weight * tl.load(l_ptr + rows, mask=live, other=0.0, cache_modifier=".cg"), axis=0)
+    parts = tl.load(o_ptr + rows[:, None] * HEAD + dims[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
+    return tl.sum(parts * weight[:, None], axis=0) / total
+
+
 @triton.jit
 def _attention_split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_ptr, num_slots, region,
-                            sm_scale, stride_slot, stride_head, num_splits, span,
+                            sm_scale, stride_slot, stride_head, num_splits, span, counter_ptr, out_ptr,
                             GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD: tl.constexpr,
-                            CHUNK: tl.constexpr, REGION: tl.constexpr):
+                            CHUNK: tl.constexpr, REGION: tl.constexpr, MERGE: tl.constexpr,
+                            SPLIT_ROWS: tl.constexpr):
     """One token's query group of one kv head over one span of cache slots, CHUNK slots at a time
     with a running softmax: the span's max, sum and unnormalised output per query head
     (flash-decoding's first half).
@@ -163,16 +266,26 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_
     Visible: slots below the device length, and slot length + j where rows[0, j] (REGION), or the
     token's own slot, length itself (not REGION). Nothing past length + region is read, so a step
     costs the text's length, not the cache's. Products and sums are float32 on CUDA cores: a step's
-    attention is a few MFLOP, and a group of a few query heads would mostly pad a tensor-core tile."""
+    attention is a few MFLOP, and a group of a few query heads would mostly pad a tensor-core tile.
+
+    MERGE: flash-decoding's second half too, in the same launch. Splits past the slots in use return
+    at once; the last split of a kv head to store its partials (counted on counter_ptr[kv_head], which
+    it resets to 0 for the next launch) merges the group's rows into out_ptr. With one split in use,
+    that split writes its output directly."""
     kv_head, split = tl.program_id(0), tl.program_id(1)
+    length = tl.load(length_ptr)
+    bound = tl.minimum(length + region, num_slots)
+    used = tl.cdiv(bound, span)  # the splits that hold a slot in use
+    if MERGE:
+        if split >= used:
+            return
     group = tl.arange(0, GROUP_ROWS)
     dims = tl.arange(0, HEAD)
     heads = kv_head * GROUP + group
     live = group < GROUP
     q = tl.load(q_ptr + heads[:, None] * HEAD + dims[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    length = tl.load(length_ptr)
     start = split * span
-    stop = tl.minimum(start + span, tl.minimum(length + region, num_slots))
+    stop = tl.minimum(start + span, bound)
     peak = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
     total = tl.zeros((GROUP_ROWS,), tl.float32)
     acc = tl.zeros((GROUP_ROWS, HEAD), tl.float32)
@@ -199,10 +312,26 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_
         total = total * rescale + tl.sum(p, axis=1)
         acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
         peak = top
+    dtype = out_ptr.dtype.element_ty
+    if MERGE:
+        if used == 1:  # the only split in use: its output is final, no partials and no counter
+            tl.store(out_ptr + heads[:, None] * HEAD + dims[None, :], (acc / total[:, None]).to(dtype),
+                     mask=live[:, None])
+            return
     rows = heads * num_splits + split
     tl.store(m_ptr + rows, peak, mask=live)
     tl.store(l_ptr + rows, total, mask=live)
     tl.store(o_ptr + rows[:, None] * HEAD + dims[None, :], acc, mask=live[:, None])
+    if MERGE:
+        # The atomic runs on one thread: the barrier first puts every thread's partials under its release
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + kv_head, 1, sem="acq_rel")
+        if arrived == used - 1:  # the last split: the others' partials are stored, acquired by this atomic
+            for member in tl.static_range(GROUP):
+                query = kv_head * GROUP + member
+                out = _merge_splits(m_ptr, l_ptr, o_ptr, query, num_splits, used, HEAD, SPLIT_ROWS)
+                tl.store(out_ptr + query * HEAD + dims, out.to(dtype))
+            tl.atomic_xchg(counter_ptr + kv_head, 0)
 
 
 @triton.jit
@@ -262,19 +391,29 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_p
 @triton.jit
 def _attention_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, num_splits,
                             HEAD: tl.constexpr, SPLIT_ROWS: tl.constexpr):
-    """One query row (token, head): the splits' partial softmaxes rescaled to a common max and summed."""
+    """One query row (token, head): the splits' partial softmaxes merged (_merge_splits)."""
     query = tl.program_id(0)
-    splits = tl.arange(0, SPLIT_ROWS)
-    dims = tl.arange(0, HEAD)
-    live = splits < num_splits
-    rows = query * num_splits + splits
-    peak = tl.load(m_ptr + rows, mask=live, other=float("-inf"))
-    top = tl.max(peak, axis=0)
-    weight = tl.where(peak == float("-inf"), 0.0, tl.exp(peak - top))
-    total = tl.sum(weight * tl.load(l_ptr + rows, mask=live, other=0.0), axis=0)
-    parts = tl.load(o_ptr + rows[:, None] * HEAD + dims[None, :], mask=live[:, None], other=0.0)
-    out = tl.sum(parts * weight[:, None], axis=0) / total
-    tl.store(out_ptr + query * HEAD + dims, out.to(out_ptr.dtype.element_ty))
+    out = _merge_splits(m_ptr, l_ptr, o_ptr, query, num_splits, num_splits, HEAD, SPLIT_ROWS)
+    tl.store(out_ptr + query * HEAD + tl.arange(0, HEAD), out.to(out_ptr.dtype.element_ty))
+
+
+_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def merge_counters(device: torch.device) -> torch.Tensor:
+    """The single-token attention kernel's arrival counters on `device` (MERGE_IN_ATTENTION), one a kv
+    head: zeros before and after every launch, since the last split of a kv head resets its own. One
+    buffer a device, made outside any CUDA-graph capture (fused.attach makes it): one made during a
+    capture would belong to that graph's memory pool, and be zeroed only when that graph replays."""
+    if device.type == "cuda" and device.index is None:  # one key for "cuda" and the tensors' "cuda:0"
+        device = torch.device("cuda", torch.cuda.current_device())
+    counters = _MERGE_COUNTERS.get(device)
+    if counters is None:
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), (
+            f"no attention merge counters on {device} yet, and a CUDA graph is being captured: "
+            "call fused.attach (or merge_counters) before capturing")
+        counters = _MERGE_COUNTERS[device] = torch.zeros(ATTENTION_MAX_KV_HEADS, dtype=torch.int32, device=device)
+    return counters
 
 
 @torch.library.custom_op("specpipe::slot_attention", mutates_args=())
@@ -299,24 +438,27 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
         splits = min(triton.cdiv(blocks, TREE_MIN_BLOCKS_PER_SPLIT), max(1, ATTENTION_PROGRAMS // (tiles * kv_heads)))
         splits = min(ATTENTION_MAX_SPLITS, max(splits, triton.cdiv(blocks, TREE_MAX_BLOCKS_PER_SPLIT)))
     direct = tokens > 1 and splits == 1
+    merged = tokens == 1 and fused.MERGE_IN_ATTENTION  # the split kernel merges too
     m = torch.empty(0 if direct else tokens * heads * splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     o = torch.empty(m.shape[0], head, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     args = (q.contiguous(), k, v, length, k if rows is None else rows.contiguous().view(torch.uint8), m, l, o, slots,
             region, head ** -0.5, k.stride(0), k.stride(1), splits)
+    split_rows = max(2, triton.next_power_of_2(splits))
     if tokens == 1:
+        assert not merged or kv_heads <= ATTENTION_MAX_KV_HEADS, "more kv heads than merge counters"
         _attention_split_kernel[(kv_heads, splits)](
-            *args, span, GROUP=group, GROUP_ROWS=triton.next_power_of_2(group), HEAD=head,
-            CHUNK=ATTENTION_CHUNK_SLOTS, REGION=rows is not None)
+            *args, span, merge_counters(q.device) if merged else length, out, GROUP=group,
+            GROUP_ROWS=triton.next_power_of_2(group), HEAD=head, CHUNK=ATTENTION_CHUNK_SLOTS, REGION=rows is not None,
+            MERGE=merged, SPLIT_ROWS=split_rows)
     else:
         _tree_attention_kernel[(tiles, kv_heads, splits)](
             *args, tokens, out, GROUP=group, HEAD=head, BLOCK_M=block_m, BLOCK_N=TREE_BLOCK_SLOTS,
             FLOAT32=q.dtype == torch.float32, PRECISION=FLOAT32_DOT if q.dtype == torch.float32 else "tf32",
             DIRECT=direct)
-    if not direct:
-        _attention_merge_kernel[(tokens * heads,)](m, l, o, out, splits, HEAD=head,
-                                                   SPLIT_ROWS=max(2, triton.next_power_of_2(splits)))
+    if not direct and not merged:
+        _attention_merge_kernel[(tokens * heads,)](m, l, o, out, splits, HEAD=head, SPLIT_ROWS=split_rows)
     return out
 
 
