@@ -73,7 +73,7 @@ CHECK = textwrap.dedent("""
     assert torch.equal(lin(many), F.linear(many, lin.weight, lin.bias))  # trees stay on the library GEMM
 
     def region_case(heads, kv_heads, dim, slots, length, tokens, region, dtype):  # against SDPA with the mask
-        q = torch.randn(tokens, heads, dim, dtype=dtype)
+        q = torch.randn(tokens, heads + 2, dim, dtype=dtype)[:, 1:heads + 1]  # a QKV view, as in the engine
         cache = torch.randn(2, slots, kv_heads, dim, dtype=dtype)
         k, v = cache[0], cache[1]
         rows = torch.rand(tokens, region) < 0.4

@@ -336,21 +336,23 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_
 
 @triton.jit
 def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_ptr, num_slots, region,
-                           sm_scale, stride_slot, stride_head, num_splits, tokens, out_ptr,
+                           sm_scale, stride_slot, stride_head, num_splits, tokens, out_ptr, stride_token,
                            GROUP: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            FLOAT32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr):
     """The split kernel for several tokens: one kv head's query rows (token, group member) in
     tiles of BLOCK_M against every num_splits-th block of BLOCK_N slots, both products on tensor
     cores (a 64-node tree of an 8B model has 256 query rows a kv head, which CUDA cores took ~100 us
     a layer for). Same visibility and partial outputs as _attention_split_kernel with REGION.
-    DIRECT (one split): the normalised output goes straight to out_ptr, and no merge runs."""
+    DIRECT (one split): the normalised output goes straight to out_ptr, and no merge runs.
+    q's tokens lie stride_token apart (a view of the QKV rows, copied by nothing)."""
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     token = r // GROUP
     live = token < tokens
     query = token * tl.num_programs(1) * GROUP + kv_head * GROUP + r % GROUP  # rows of q [T * H, D]
     dims = tl.arange(0, HEAD)
-    q = tl.load(q_ptr + query[:, None] * HEAD + dims[None, :], mask=live[:, None], other=0.0)
+    q_rows = token * stride_token + (query - token * tl.num_programs(1) * GROUP) * HEAD
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=live[:, None], other=0.0)
     length = tl.load(length_ptr)
     bound = tl.minimum(length + region, num_slots)
     peak = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -443,7 +445,9 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
     l = torch.empty_like(m)
     o = torch.empty(m.shape[0], head, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    args = (q.contiguous(), k, v, length, k if rows is None else rows.contiguous().view(torch.uint8), m, l, o, slots,
+    if q.stride(2) != 1 or q.stride(1) != head:  # heads side by side; tokens may lie at any stride
+        q = q.contiguous()
+    args = (q, k, v, length, k if rows is None else rows.contiguous().view(torch.uint8), m, l, o, slots,
             region, head ** -0.5, k.stride(0), k.stride(1), splits)
     split_rows = max(2, triton.next_power_of_2(splits))
     if tokens == 1:
@@ -454,7 +458,7 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
             MERGE=merged, SPLIT_ROWS=split_rows)
     else:
         _tree_attention_kernel[(tiles, kv_heads, splits)](
-            *args, tokens, out, GROUP=group, HEAD=head, BLOCK_M=block_m, BLOCK_N=TREE_BLOCK_SLOTS,
+            *args, tokens, out, q.stride(0), GROUP=group, HEAD=head, BLOCK_M=block_m, BLOCK_N=TREE_BLOCK_SLOTS,
             FLOAT32=q.dtype == torch.float32, PRECISION=FLOAT32_DOT if q.dtype == torch.float32 else "tf32",
             DIRECT=direct)
     if not direct and not merged:
