@@ -7,7 +7,7 @@ import torch
 
 from pipeline.engine import acceptance
 from pipeline.engine.acceptance import accept_greedy, accept_sampling
-from pipeline.engine.sampling import SamplingParams, argmax_rows, target_probs, topk_rows
+from pipeline.engine.sampling import SamplingParams, argmax_rows, target_probs
 from pipeline.engine.tree import (MC_SIM_7B_63, DraftTree, build_tree, chain_buffers, choices_to_triton, parse_choices,
                                   validate_choices)
 from pipeline.errors import UserError
@@ -130,12 +130,3 @@ def test_two_stage_argmax_picks_the_first_maximum_like_torch(vocab):
     logits[2] = 1.0  # all tied: index 0
     for x in (logits, logits.bfloat16()):
         assert torch.equal(argmax_rows(x), x.argmax(-1))
-
-
-@pytest.mark.parametrize("vocab", [97, 49152, 128256])
-def test_two_stage_topk_equals_torch_topk_on_distinct_values(vocab):
-    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab))
-    for k in (1, 8, 10):
-        values, indices = topk_rows(logits, k)
-        want = logits.topk(k, dim=-1)
-        assert torch.equal(values, want.values) and torch.equal(indices, want.indices)

@@ -22,7 +22,6 @@ from pipeline.engine.config import DynamicTreeConfig
 from pipeline.engine.graphs import CapturedStep, Compiled
 from pipeline.engine.model import (Attention, DecoderLayer, ForwardContext, KVCache, Linear, MLP, ModelConfig,
                                    RMSNorm, Rotary, full_slot_context, make_context)
-from pipeline.engine.sampling import topk_rows
 from pipeline.engine.speculative import StepInput, TargetPass
 from pipeline.engine.tree import DraftTree, TreeBuffers, ancestor_mask
 
@@ -232,7 +231,7 @@ class EagleProposer:
         hidden = root_hidden.new_empty(num, root_hidden.shape[-1])
         hidden[0] = root_hidden[0]
         top = tokens.new_empty(num, self.top_k)
-        top[0] = topk_rows(self.net.logits(root_hidden), self.top_k)[1][0]
+        top[0] = self.net.logits(root_hidden).topk(self.top_k, dim=-1).indices[0]
         for depth in range(1, tree.max_depth + 1):
             nodes = self.levels[depth]
             parents = tree.parents[nodes]
@@ -242,13 +241,14 @@ class EagleProposer:
             # Node i (i >= 1) uses tree slot i - 1: the root's own pair is already cached.
             out = self._draft(tokens[nodes], hidden[parents], length, depth, nodes - 1, tree.mask[nodes, 1:])
             hidden[nodes] = out
-            top[nodes] = topk_rows(self.net.logits(out), self.top_k)[1]
+            top[nodes] = self.net.logits(out).topk(self.top_k, dim=-1).indices
         return tokens
 
     def _dynamic(self, root_hidden: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cfg, device, width = self.dynamic, root_hidden.device, self.width
         k = cfg.top_k
-        score, token = (x[0] for x in topk_rows(F.log_softmax(self.net.logits(root_hidden), dim=-1), k))
+        logp = F.log_softmax(self.net.logits(root_hidden), dim=-1)[0]
+        score, token = logp.topk(k)
         cand_tokens, cand_scores = [token], [score]
         cand_parents = [torch.full((k,), -1, device=device)]
         cand_depths = [torch.ones(k, dtype=torch.long, device=device)]
@@ -263,7 +263,7 @@ class EagleProposer:
             out = self._draft(torch.cat(cand_tokens)[frontier], frontier_hidden, length, depth,
                               lo + self.width_offsets, rows)
             logp = F.log_softmax(self.net.logits(out), dim=-1)
-            child_logp, child_token = topk_rows(logp, k)  # [width, k]
+            child_logp, child_token = logp.topk(k, dim=-1)  # [width, k]
             child_score = (torch.cat(cand_scores)[frontier][:, None] + child_logp).flatten()
             cand_tokens.append(child_token.flatten())
             cand_scores.append(child_score)

@@ -7,11 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# Vocabulary-long argmax and top-k in two parallel stages: first within each of this many slices, then
-# over the slices' winners. One argmax over 128k logits is one block's reduction (28 us on an H200), and
-# torch.topk over a few rows of 49k logits is a multi-block radix select of about 14 kernels, where
-# slices of a few hundred take the single-block kernel (one select and one small sort a stage).
-VOCAB_SLICES = 256
+# A vocabulary-long argmax in two parallel stages: the maximum of each of this many slices, then the
+# argmax of those. One argmax over 128k logits is one block's reduction (28 us on an H200).
+ARGMAX_SLICES = 256
 
 
 class RequestError(ValueError):
@@ -72,29 +70,11 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return sample(target_probs(logits, params), generator)
 
 
-def _sliced(logits: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """[N, V] -> ([N, VOCAB_SLICES, W] padded with -inf, W)."""
-    n, v = logits.shape
-    width = -(-v // VOCAB_SLICES)
-    padded = F.pad(logits, (0, width * VOCAB_SLICES - v), value=float("-inf"))
-    return padded.view(n, VOCAB_SLICES, width), width
-
-
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """[N, V] -> [N]: logits.argmax(-1), the first index of each row's maximum, in two stages."""
-    sliced, width = _sliced(logits)
-    best, where = sliced.max(-1)  # the first maximum of each slice
+    n, v = logits.shape
+    width = -(-v // ARGMAX_SLICES)
+    padded = F.pad(logits, (0, width * ARGMAX_SLICES - v), value=float("-inf")).view(n, ARGMAX_SLICES, width)
+    best, where = padded.max(-1)  # the first maximum of each slice
     slice_ = best.argmax(-1, keepdim=True)  # the first slice holding the row's maximum
     return (slice_ * width + where.gather(-1, slice_)).squeeze(-1)
-
-
-def topk_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, V] -> (values, indices) [N, k]: logits.topk(k, dim=-1) for distinct values, in two stages
-    (each slice's k best, then the k best of those)."""
-    sliced, width = _sliced(logits)
-    if k > width:
-        return logits.topk(k, dim=-1)
-    values, where = sliced.topk(k, dim=-1)  # [N, S, k]
-    where = where + torch.arange(0, sliced.shape[1] * width, width, device=logits.device)[:, None]
-    values, best = values.flatten(1).topk(k, dim=-1)
-    return values, where.flatten(1).gather(-1, best)
