@@ -7,7 +7,7 @@ dependencies between kernels lose. Then the decode loop's tokens/s (SPECPIPE_COM
 graphs of uncompiled kernels).
 
   python3 build/probe_step.py [--kernels fused|gemv|off] [--context 128] [--tree 64]   # on CUDA
-      [--gated] [--no-rope-gemv] [--split-merge]   # the fused layer's kernel-saving flags
+      [--gated] [--no-rope-gemv]   # the fused layer's kernel-saving flags
 """
 import argparse
 import statistics
@@ -48,12 +48,9 @@ def main() -> None:
     ap.add_argument("--gated", action="store_true", help="SiLU-and-multiply inside the fc_gate GEMV (fused.GATED_GEMV)")
     ap.add_argument("--no-rope-gemv", action="store_true",
                     help="rotary and the cache write in a kernel after the QKV GEMV (fused.ROPE_IN_GEMV off)")
-    ap.add_argument("--split-merge", action="store_true",
-                    help="a single token's attention merged by a second kernel (fused.MERGE_IN_ATTENTION off)")
     args = ap.parse_args()
     fused.GATED_GEMV = args.gated
     fused.ROPE_IN_GEMV = not args.no_rope_gemv
-    fused.MERGE_IN_ATTENTION = not args.split_merge
     if args.attention_chunk:
         fused_kernels.ATTENTION_CHUNK_SLOTS = args.attention_chunk
     if args.gemv:
@@ -103,7 +100,7 @@ def main() -> None:
     print(f"{args.shape}, kernels={args.kernels or fused.level()}, context {args.context}, {args.tree} tokens a step, "
           f"{n} steps profiled, attention chunk {fused_kernels.ATTENTION_CHUNK_SLOTS}, GEMV "
           f"{fused_kernels.BLOCK_ROWS},{fused_kernels.BLOCK_K},{fused_kernels.NUM_WARPS}, gated {fused.GATED_GEMV}, "
-          f"rope in GEMV {fused.ROPE_IN_GEMV}, merge in attention {fused.MERGE_IN_ATTENTION}")
+          f"rope in GEMV {fused.ROPE_IN_GEMV}")
     print(f"per step: span {statistics.median(spans):.0f} us, busy {statistics.median(busy):.0f} us, "
           f"{len(kernels) / n:.0f} kernels, weight-read floor at {READ_TBPS} TB/s {floor_us:.0f} us")
     print(f"{'kernel':<70} {'calls':>6} {'us/step':>9} {'us/call':>8}")

@@ -25,7 +25,7 @@ CHECK = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     from pipeline.engine import fused
-    from pipeline.engine.fused_kernels import gemv, gemv_rope_store, merge_counters, rope_store, slot_attention
+    from pipeline.engine.fused_kernels import gemv, gemv_rope_store, rope_store, slot_attention
     from pipeline.engine.model import (KVCache, Linear, ModelConfig, Rotary, Transformer, full_slot_context,
                                        make_context)
 
@@ -55,7 +55,8 @@ CHECK = textwrap.dedent("""
     x, w2 = torch.randn(40, dtype=torch.bfloat16), torch.randn(2 * 24, 40, dtype=torch.bfloat16)
     close(gemv(x, w2, norm.weight, norm.eps), F.linear(norm(x), w2), 4e-2)
     # The QKV GEMV with rotary and the cache write as its epilogue against the two kernels it replaces,
-    # which sum and round the same way: the same cache, bit for bit (other rows and slots stay zero).
+    # which round the same way: the same cache (other rows and slots stay zero). Bit for bit under the
+    # interpreter; on the H200 a row's float32 sum may run in another order, one bf16 unit apart (5 of 640 values).
     for heads, kv_heads, dim, k in ((6, 2, 16, 40), (4, 2, 64, 1100)):
         w = torch.randn((heads + 2 * kv_heads) * dim, k, dtype=torch.bfloat16)
         x, g = torch.randn(k, dtype=torch.bfloat16), torch.randn(k, dtype=torch.bfloat16)
@@ -64,7 +65,8 @@ CHECK = textwrap.dedent("""
         rope_args = rotary.cos, rotary.sin, torch.tensor([37]), torch.tensor([6])  # RoPE position, cache slot
         want = rope_store(gemv(x, w, g, 1e-5), *rope_args, want_k, want_v, 1, heads)
         close(gemv_rope_store(x, w, g, 1e-5, *rope_args, got_k, got_v, 1, heads), want, 1e-2)
-        assert want_k[1, 0, 6].any() and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        assert want_k[1, 0, 6].any() and torch.equal(got_v, want_v)
+        close(got_k, want_k, 1e-2)
 
     lin = Linear(64, 24, bias=True).to(torch.bfloat16)
     fused.attach(lin, "gemv", (device,))
@@ -72,7 +74,24 @@ CHECK = textwrap.dedent("""
     close(lin(one), F.linear(one.double(), lin.weight.double(), lin.bias.double()), 2e-2)
     assert torch.equal(lin(many), F.linear(many, lin.weight, lin.bias))  # trees stay on the library GEMM
 
-    def region_case(heads, kv_heads, dim, slots, length, tokens, region, dtype):  # against SDPA with the mask
+    # Attention: a strided cache (slots x kv heads x dims), groups of 3, 4 and 1, texts of one chunk
+    # and of several splits' worth, a text far shorter than the cache. Single tokens see every slot up to their own...
+    for heads, kv_heads, dim, slots, slot in ((6, 2, 16, 40, 39), (8, 2, 32, 150, 96), (4, 4, 64, 300, 0),
+                                              (6, 2, 16, 1100, 1042), (6, 2, 16, 1100, 40), (6, 2, 16, 40, 5)):
+        q = torch.randn(1, heads, dim, dtype=torch.bfloat16)
+        cache = torch.randn(2, slots, kv_heads, dim, dtype=torch.bfloat16)
+        k, v = cache[0], cache[1]
+        want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k[:slot + 1].transpose(0, 1)[None].float(),
+                                              v[:slot + 1].transpose(0, 1)[None].float(), enable_gqa=True)[0]
+        close(slot_attention(q, k, v, torch.tensor([slot]), None), want.transpose(0, 1), 2e-2)
+    # ... tree tokens see the text and what their row of the region allows, through tensor-core tiles
+    # (a single token with a wider region, an EAGLE level of one node, stays on CUDA cores).
+    # Triton's interpreter multiplies bf16 tiles as raw integers, so on the CPU only float32 runs.
+    half = torch.bfloat16 if device == "cuda" else torch.float32
+    for heads, kv_heads, dim, slots, length, tokens, region, dtype in (
+            (6, 2, 16, 300, 97, 5, 7, half), (8, 2, 32, 1100, 1040, 12, 12, torch.float32),
+            (4, 4, 64, 64, 0, 3, 3, half), (9, 3, 64, 2000, 33, 64, 64, torch.float32), (32, 8, 128, 322, 128, 64, 64, half),
+            (6, 2, 16, 300, 97, 1, 5, half), (4, 4, 64, 1100, 1040, 1, 9, torch.float32)):  # one draft node
         q = torch.randn(tokens, heads + 2, dim, dtype=dtype)[:, 1:heads + 1]  # a QKV view, as in the engine
         cache = torch.randn(2, slots, kv_heads, dim, dtype=dtype)
         k, v = cache[0], cache[1]
@@ -83,43 +102,16 @@ CHECK = textwrap.dedent("""
         want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k.transpose(0, 1)[None].float(),
                                               v.transpose(0, 1)[None].float(), attn_mask=ctx.mask[0], enable_gqa=True)[0]
         close(slot_attention(q, k, v, torch.tensor(length), rows), want.transpose(0, 1), 2e-2)
-
-    # Attention: a strided cache (slots x kv heads x dims), groups of 3, 4 and 1, texts of one chunk
-    # and of several splits' worth. Single tokens, with the splits merged by the split kernel's last
-    # program of a kv head and by the merge kernel (ending on the default), see every slot up to their
-    # own: one split in use (slots 0, 5), a text far shorter than the cache (splits past it idle)...
-    # Triton's interpreter multiplies bf16 tiles as raw integers, so on the CPU only float32 tiles run.
-    half = torch.bfloat16 if device == "cuda" else torch.float32
-    for merge in (False, True):
-        fused.MERGE_IN_ATTENTION = merge
-        for heads, kv_heads, dim, slots, slot in ((6, 2, 16, 40, 39), (8, 2, 32, 150, 96), (4, 4, 64, 300, 0),
-                                                  (6, 2, 16, 1100, 1042), (6, 2, 16, 1100, 40), (6, 2, 16, 40, 5)):
-            q = torch.randn(1, heads, dim, dtype=torch.bfloat16)
-            cache = torch.randn(2, slots, kv_heads, dim, dtype=torch.bfloat16)
-            k, v = cache[0], cache[1]
-            want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(),
-                                                  k[:slot + 1].transpose(0, 1)[None].float(),
-                                                  v[:slot + 1].transpose(0, 1)[None].float(), enable_gqa=True)[0]
-            close(slot_attention(q, k, v, torch.tensor([slot]), None), want.transpose(0, 1), 2e-2)
-        # ... a single token with a wider region (an EAGLE level of one node) stays on CUDA cores ...
-        region_case(6, 2, 16, 300, 97, 1, 5, half)
-        region_case(4, 4, 64, 1100, 1040, 1, 9, torch.float32)
-        # ... and a region row that hides a split's whole span (slots 1056-1087), against scores all near
-        # -160: the hidden span must not lend the merge a peak that underflows every other span's weight.
-        q = torch.full((1, 4, 64), 20.0)
-        k, v = -0.5 - torch.rand(1100, 4, 64), torch.randn(1100, 4, 64)
-        rows = torch.ones(1, 48, dtype=torch.bool)
-        rows[0, 16:] = False
-        seen = torch.cat([torch.ones(1040, dtype=torch.bool), rows[0], torch.zeros(12, dtype=torch.bool)])
-        want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                              v.transpose(0, 1)[None], attn_mask=seen[None])[0]
-        close(slot_attention(q, k, v, torch.tensor(1040), rows), want.transpose(0, 1), 1e-4)
-        assert not merge_counters(torch.device(device)).any()  # each kv head's last split reset its counter
-    # Tree tokens see the text and what their row of the region allows, through tensor-core tiles.
-    for case in ((6, 2, 16, 300, 97, 5, 7, half), (8, 2, 32, 1100, 1040, 12, 12, torch.float32),
-                 (4, 4, 64, 64, 0, 3, 3, half), (9, 3, 64, 2000, 33, 64, 64, torch.float32),
-                 (32, 8, 128, 322, 128, 64, 64, half)):
-        region_case(*case)
+    # A region row that hides a split's whole span (slots 1056-1087), against scores all near -160: the
+    # hidden span must not lend the merge a peak that underflows every other span's weight.
+    q = torch.full((1, 4, 64), 20.0)
+    k, v = -0.5 - torch.rand(1100, 4, 64), torch.randn(1100, 4, 64)
+    rows = torch.ones(1, 48, dtype=torch.bool)
+    rows[0, 16:] = False
+    seen = torch.cat([torch.ones(1040, dtype=torch.bool), rows[0], torch.zeros(12, dtype=torch.bool)])
+    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                          attn_mask=seen[None])[0]
+    close(slot_attention(q, k, v, torch.tensor(1040), rows), want.transpose(0, 1), 1e-4)
 
     # A whole model: single-token steps fused against the unfused layers, eagerly (limit None)
     # and the way the CUDA graphs call it (full cache, device limit).
@@ -156,7 +148,6 @@ CHECK = textwrap.dedent("""
     fused.GATED_GEMV = True  # SiLU-and-multiply inside the fc_gate GEMV: the same step
     close(model(token, contexts["graph"])[0], want, 4e-2)
     fused.GATED_GEMV = False
-    assert not merge_counters(torch.device(device)).any()
     # A tree step as the graphs run it: the slot-attention kernel against SDPA over the masked cache
     # (in float32 on the CPU, as above).
     model = model.to(half)

@@ -7,14 +7,16 @@ matrices stream from memory, plus whatever each layer spends between them. Two l
   program summing BLOCK_ROWS whole rows in float32. On an H200, with a new matrix each call as in a
   real step (build/probe_gemv.py), it reads the Llama-3-8B projections at 3.1-4.3 TB/s; the 129
   products of one token took 3.48 ms against cuBLAS's 4.04 ms in an earlier probe that reused them.
-- fused (the default): a decoder layer becomes four GEMVs and one attention kernel, each kernel
-  boundary costing a microsecond or more. The RMS norms run inside the GEMVs that read them (QKV,
-  gate/up), rotary and the cache write inside the QKV GEMV, the residual adds inside the GEMVs that
-  produce them (output and down projections), and attention is a flash-decoding kernel that reads
-  only the slots in use and merges its splits itself. SiLU-and-multiply stays a kernel of inductor's
-  unless GATED_GEMV: inside gate/up, each program reading two distant row blocks, it measured 7-11 us
-  a layer slower once. Layers the kernels do not cover (biases, other activations, no input norm,
-  head sizes that are not a power of two) keep the gemv level.
+- fused (the default): a decoder layer becomes four GEMVs and one attention, each kernel boundary
+  costing a microsecond or more. The RMS norms run inside the GEMVs that read them (QKV, gate/up),
+  rotary and the cache write inside the QKV GEMV, the residual adds inside the GEMVs that produce
+  them (output and down projections), and attention is a flash-decoding kernel that reads only the
+  slots in use, then a small merge kernel (merging in the same launch, the last split of a kv head
+  reading the others' partials, measured 12.5 us a layer on the H200 against 4.9 + 2.1: more registers
+  a program and a serial merge at the end). SiLU-and-multiply stays a kernel of inductor's unless GATED_GEMV: inside gate/up,
+  each program reading two distant row blocks, it measured 7-11 us a layer slower once. Layers the
+  kernels do not cover (biases, other activations, no input norm, head sizes that are not a power of
+  two) keep the gemv level.
 
 Steps with more tokens (trees, an EAGLE draft's passes) keep cuBLAS for their products, but their
 attention, like a single token's, goes through the slot-attention kernel whenever the CUDA graphs
@@ -79,16 +81,14 @@ TREE_MAX_BLOCKS_PER_SPLIT = 4
 # products, near-float32) measured 14.3, too little to give up exactness for.
 FLOAT32_DOT = "ieee"
 # Whether the fused layer's fc_gate GEMV applies SiLU(fc) * gate itself, one kernel a layer fewer than
-# inductor's SiLU-and-multiply between the GEMVs. Off until measured: build/probe_step.py --gated.
+# inductor's SiLU-and-multiply between the GEMVs. Off: on the H200 (build/probe_step.py --gated) the
+# GEMVs took 94 us a token longer, reading two row blocks a program, and the SiLU kernels saved 47.
 GATED_GEMV = False
 # Whether the fused layer's QKV GEMV rotates q and k and writes k and v to the cache itself, instead of
-# rope_store in a kernel of its own after it (build/probe_step.py --no-rope-gemv compares).
+# rope_store in a kernel of its own after it. On the H200 (build/probe_step.py --no-rope-gemv, two pairs
+# of runs) 28 us a token less device time and about 90 us less span; the loop's tokens/s drifted more
+# between runs than that.
 ROPE_IN_GEMV = True
-# Whether a single token's attention merges its splits in the split kernel (the last split of a kv head
-# to finish merges them), instead of in a second kernel (build/probe_step.py --split-merge compares).
-MERGE_IN_ATTENTION = True
-# The in-kernel merge's arrival counters: one a kv head, in one buffer a device.
-ATTENTION_MAX_KV_HEADS = 256
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -108,10 +108,7 @@ def attach(model: nn.Module, kernels: str | None = None, device_types: tuple[str
     attentions = [m for m in model.modules() if isinstance(m, Attention) and m.qkv.weight.device.type in device_types]
     slot_attention = None
     if kernels != "off" and attentions:
-        from pipeline.engine.fused_kernels import merge_counters, slot_attention
-
-        for device in {m.qkv.weight.device for m in attentions}:
-            merge_counters(device)  # now, before any CUDA graph captures a step
+        from pipeline.engine.fused_kernels import slot_attention
     for m in attentions:
         m.slot_attention = slot_attention if power_of_two(m.head_size) else None
 
@@ -146,9 +143,8 @@ def power_of_two(n: int) -> bool:
 
 def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContext", index: int) -> torch.Tensor:
     """DecoderLayer.forward for one token of one sequence (x [1, 1, H]): four GEMVs, the first with
-    rotary and the cache write in it (ROPE_IN_GEMV; else a kernel of their own), one attention kernel
-    (MERGE_IN_ATTENTION; else two), and SiLU-and-multiply in the third GEMV (GATED_GEMV; else inductor's
-    kernel). Five kernels with all three flags."""
+    rotary and the cache write in it (ROPE_IN_GEMV; else a kernel of their own), the two attention
+    kernels, and SiLU-and-multiply (inductor's, or in the third GEMV)."""
     from pipeline.engine.fused_kernels import gemv, gemv_rope_store, rope_store, slot_attention
 
     a, mlp, norm = layer.attention, layer.mlp, layer.input_layernorm

@@ -12,11 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pipeline.engine import fused  # its flags, read at each call so that tests and probes can switch them
-from pipeline.engine.fused import (ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_KV_HEADS, ATTENTION_MAX_SPLITS,
-                                   ATTENTION_PROGRAMS, BLOCK_K, BLOCK_ROWS, FLOAT32_DOT, NUM_WARPS, TREE_BLOCK_ROWS,
-                                   TREE_BLOCK_SLOTS, TREE_MAX_BLOCKS_PER_SPLIT, TREE_MIN_BLOCKS_PER_SPLIT,
-                                   TREE_MIN_ROWS)
+from pipeline.engine.fused import (ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_SPLITS, ATTENTION_PROGRAMS, BLOCK_K,
+                                   BLOCK_ROWS, FLOAT32_DOT, NUM_WARPS, TREE_BLOCK_ROWS, TREE_BLOCK_SLOTS,
+                                   TREE_MAX_BLOCKS_PER_SPLIT, TREE_MIN_BLOCKS_PER_SPLIT, TREE_MIN_ROWS)
 
 
 @triton.jit
@@ -237,28 +235,10 @@ def _(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: float, cos: tor
 
 
 @triton.jit
-def _merge_splits(m_ptr, l_ptr, o_ptr, query, num_splits, used, HEAD: tl.constexpr, SPLIT_ROWS: tl.constexpr):
-    """One query row's output, float32 [HEAD]: the partial softmaxes of splits [0, used) rescaled to a
-    common max and summed (a split that saw nothing has peak -inf and weight 0). The loads skip L1
-    (.cg): in the split kernel's own merge, other programs of the same launch wrote the partials."""
-    splits = tl.arange(0, SPLIT_ROWS)
-    dims = tl.arange(0, HEAD)
-    live = splits < used
-    rows = query * num_splits + splits
-    peak = tl.load(m_ptr + rows, mask=live, other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(peak, axis=0)
-    weight = tl.where(peak == float("-inf"), 0.0, tl.exp(peak - top))
-    total = tl.sum(weight * tl.load(l_ptr + rows, mask=live, other=0.0, cache_modifier=".cg"), axis=0)
-    parts = tl.load(o_ptr + rows[:, None] * HEAD + dims[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
-    return tl.sum(parts * weight[:, None], axis=0) / total
-
-
-@triton.jit
 def _attention_split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_ptr, num_slots, region,
-                            sm_scale, stride_slot, stride_head, num_splits, span, counter_ptr, out_ptr,
+                            sm_scale, stride_slot, stride_head, num_splits, span,
                             GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD: tl.constexpr,
-                            CHUNK: tl.constexpr, REGION: tl.constexpr, MERGE: tl.constexpr,
-                            SPLIT_ROWS: tl.constexpr):
+                            CHUNK: tl.constexpr, REGION: tl.constexpr):
     """One token's query group of one kv head over one span of cache slots, CHUNK slots at a time
     with a running softmax: the span's max, sum and unnormalised output per query head
     (flash-decoding's first half).
@@ -266,26 +246,16 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_
     Visible: slots below the device length, and slot length + j where rows[0, j] (REGION), or the
     token's own slot, length itself (not REGION). Nothing past length + region is read, so a step
     costs the text's length, not the cache's. Products and sums are float32 on CUDA cores: a step's
-    attention is a few MFLOP, and a group of a few query heads would mostly pad a tensor-core tile.
-
-    MERGE: flash-decoding's second half too, in the same launch. Splits past the slots in use return
-    at once; the last split of a kv head to store its partials (counted on counter_ptr[kv_head], which
-    it resets to 0 for the next launch) merges the group's rows into out_ptr. With one split in use,
-    that split writes its output directly."""
+    attention is a few MFLOP, and a group of a few query heads would mostly pad a tensor-core tile."""
     kv_head, split = tl.program_id(0), tl.program_id(1)
-    length = tl.load(length_ptr)
-    bound = tl.minimum(length + region, num_slots)
-    used = tl.cdiv(bound, span)  # the splits that hold a slot in use
-    if MERGE:
-        if split >= used:
-            return
     group = tl.arange(0, GROUP_ROWS)
     dims = tl.arange(0, HEAD)
     heads = kv_head * GROUP + group
     live = group < GROUP
     q = tl.load(q_ptr + heads[:, None] * HEAD + dims[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    length = tl.load(length_ptr)
     start = split * span
-    stop = tl.minimum(start + span, bound)
+    stop = tl.minimum(start + span, tl.minimum(length + region, num_slots))
     peak = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
     total = tl.zeros((GROUP_ROWS,), tl.float32)
     acc = tl.zeros((GROUP_ROWS, HEAD), tl.float32)
@@ -312,26 +282,10 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_
         total = total * rescale + tl.sum(p, axis=1)
         acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
         peak = top
-    dtype = out_ptr.dtype.element_ty
-    if MERGE:
-        if used == 1:  # the only split in use: its output is final, no partials and no counter
-            tl.store(out_ptr + heads[:, None] * HEAD + dims[None, :], (acc / total[:, None]).to(dtype),
-                     mask=live[:, None])
-            return
     rows = heads * num_splits + split
     tl.store(m_ptr + rows, peak, mask=live)
     tl.store(l_ptr + rows, total, mask=live)
     tl.store(o_ptr + rows[:, None] * HEAD + dims[None, :], acc, mask=live[:, None])
-    if MERGE:
-        # The atomic runs on one thread: the barrier first puts every thread's partials under its release
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + kv_head, 1, sem="acq_rel")
-        if arrived == used - 1:  # the last split: the others' partials are stored, acquired by this atomic
-            for member in tl.static_range(GROUP):
-                query = kv_head * GROUP + member
-                out = _merge_splits(m_ptr, l_ptr, o_ptr, query, num_splits, used, HEAD, SPLIT_ROWS)
-                tl.store(out_ptr + query * HEAD + dims, out.to(dtype))
-            tl.atomic_xchg(counter_ptr + kv_head, 0)
 
 
 @triton.jit
@@ -393,29 +347,19 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_p
 @triton.jit
 def _attention_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, num_splits,
                             HEAD: tl.constexpr, SPLIT_ROWS: tl.constexpr):
-    """One query row (token, head): the splits' partial softmaxes merged (_merge_splits)."""
+    """One query row (token, head): the splits' partial softmaxes rescaled to a common max and summed."""
     query = tl.program_id(0)
-    out = _merge_splits(m_ptr, l_ptr, o_ptr, query, num_splits, num_splits, HEAD, SPLIT_ROWS)
-    tl.store(out_ptr + query * HEAD + tl.arange(0, HEAD), out.to(out_ptr.dtype.element_ty))
-
-
-_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def merge_counters(device: torch.device) -> torch.Tensor:
-    """The single-token attention kernel's arrival counters on `device` (MERGE_IN_ATTENTION), one a kv
-    head: zeros before and after every launch, since the last split of a kv head resets its own. One
-    buffer a device, made outside any CUDA-graph capture (fused.attach makes it): one made during a
-    capture would belong to that graph's memory pool, and be zeroed only when that graph replays."""
-    if device.type == "cuda" and device.index is None:  # one key for "cuda" and the tensors' "cuda:0"
-        device = torch.device("cuda", torch.cuda.current_device())
-    counters = _MERGE_COUNTERS.get(device)
-    if counters is None:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), (
-            f"no attention merge counters on {device} yet, and a CUDA graph is being captured: "
-            "call fused.attach (or merge_counters) before capturing")
-        counters = _MERGE_COUNTERS[device] = torch.zeros(ATTENTION_MAX_KV_HEADS, dtype=torch.int32, device=device)
-    return counters
+    splits = tl.arange(0, SPLIT_ROWS)
+    dims = tl.arange(0, HEAD)
+    live = splits < num_splits
+    rows = query * num_splits + splits
+    peak = tl.load(m_ptr + rows, mask=live, other=float("-inf"))
+    top = tl.max(peak, axis=0)
+    weight = tl.where(peak == float("-inf"), 0.0, tl.exp(peak - top))
+    total = tl.sum(weight * tl.load(l_ptr + rows, mask=live, other=0.0), axis=0)
+    parts = tl.load(o_ptr + rows[:, None] * HEAD + dims[None, :], mask=live[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], axis=0) / total
+    tl.store(out_ptr + query * HEAD + dims, out.to(out_ptr.dtype.element_ty))
 
 
 @torch.library.custom_op("specpipe::slot_attention", mutates_args=())
@@ -440,7 +384,6 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
         splits = min(triton.cdiv(blocks, TREE_MIN_BLOCKS_PER_SPLIT), max(1, ATTENTION_PROGRAMS // (tiles * kv_heads)))
         splits = min(ATTENTION_MAX_SPLITS, max(splits, triton.cdiv(blocks, TREE_MAX_BLOCKS_PER_SPLIT)))
     direct = tokens > 1 and splits == 1
-    merged = tokens == 1 and fused.MERGE_IN_ATTENTION  # the split kernel merges too
     m = torch.empty(0 if direct else tokens * heads * splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     o = torch.empty(m.shape[0], head, dtype=torch.float32, device=q.device)
@@ -449,20 +392,18 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
         q = q.contiguous()
     args = (q, k, v, length, k if rows is None else rows.contiguous().view(torch.uint8), m, l, o, slots,
             region, head ** -0.5, k.stride(0), k.stride(1), splits)
-    split_rows = max(2, triton.next_power_of_2(splits))
     if tokens == 1:
-        assert not merged or kv_heads <= ATTENTION_MAX_KV_HEADS, "more kv heads than merge counters"
         _attention_split_kernel[(kv_heads, splits)](
-            *args, span, merge_counters(q.device) if merged else length, out, GROUP=group,
-            GROUP_ROWS=triton.next_power_of_2(group), HEAD=head, CHUNK=ATTENTION_CHUNK_SLOTS, REGION=rows is not None,
-            MERGE=merged, SPLIT_ROWS=split_rows)
+            *args, span, GROUP=group, GROUP_ROWS=triton.next_power_of_2(group), HEAD=head,
+            CHUNK=ATTENTION_CHUNK_SLOTS, REGION=rows is not None)
     else:
         _tree_attention_kernel[(tiles, kv_heads, splits)](
             *args, tokens, out, q.stride(0), GROUP=group, HEAD=head, BLOCK_M=block_m, BLOCK_N=TREE_BLOCK_SLOTS,
             FLOAT32=q.dtype == torch.float32, PRECISION=FLOAT32_DOT if q.dtype == torch.float32 else "tf32",
             DIRECT=direct)
-    if not direct and not merged:
-        _attention_merge_kernel[(tokens * heads,)](m, l, o, out, splits, HEAD=head, SPLIT_ROWS=split_rows)
+    if not direct:
+        _attention_merge_kernel[(tokens * heads,)](m, l, o, out, splits, HEAD=head,
+                                                   SPLIT_ROWS=max(2, triton.next_power_of_2(splits)))
     return out
 
 
