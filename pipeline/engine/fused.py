@@ -7,16 +7,15 @@ matrices stream from memory, plus whatever each layer spends between them. Two l
   program summing BLOCK_ROWS whole rows in float32. On an H200, with a new matrix each call as in a
   real step (build/probe_gemv.py), it reads the Llama-3-8B projections at 3.1-4.3 TB/s; the 129
   products of one token took 3.48 ms against cuBLAS's 4.04 ms in an earlier probe that reused them.
-- fused (the default): a decoder layer becomes four GEMVs and one attention, each kernel boundary
-  costing a microsecond or more. The RMS norms run inside the GEMVs that read them (QKV, gate/up),
-  rotary and the cache write inside the QKV GEMV, the residual adds inside the GEMVs that produce
-  them (output and down projections), and attention is a flash-decoding kernel that reads only the
-  slots in use, then a small merge kernel (merging in the same launch, the last split of a kv head
-  reading the others' partials, measured 12.5 us a layer on the H200 against 4.9 + 2.1: more registers
-  a program and a serial merge at the end). SiLU-and-multiply stays a kernel of inductor's unless GATED_GEMV: inside gate/up,
-  each program reading two distant row blocks, it measured 7-11 us a layer slower once. Layers the
-  kernels do not cover (biases, other activations, no input norm, head sizes that are not a power of
-  two) keep the gemv level.
+- fused (the default): a decoder layer becomes four GEMVs and an attention of two kernels, each
+  kernel boundary costing a microsecond or more. The RMS norms run inside the GEMVs that read them
+  (QKV, gate/up), rotary and the cache write inside the QKV GEMV, the residual adds inside the GEMVs
+  that produce them (output and down projections); attention is a flash-decoding kernel that reads
+  only the slots in use, then a small merge kernel (merging in the same launch, the last split of a
+  kv head reading the others' partials, took 12.5 us a layer on the H200 against 4.9 + 2.1: more
+  registers a program and a serial merge at the end). SiLU-and-multiply stays a kernel of inductor's
+  unless GATED_GEMV (see there). Layers the kernels do not cover (biases, other activations, no
+  input norm, head sizes that are not a power of two) keep the gemv level.
 
 Steps with more tokens (trees, an EAGLE draft's passes) keep cuBLAS for their products, but their
 attention, like a single token's, goes through the slot-attention kernel whenever the CUDA graphs
