@@ -303,10 +303,10 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_p
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     token = r // GROUP
     live = token < tokens
-    query = token * tl.num_programs(1) * GROUP + kv_head * GROUP + r % GROUP  # rows of q [T * H, D]
+    head = kv_head * GROUP + r % GROUP
+    query = token * tl.num_programs(1) * GROUP + head  # rows of the output [T * H, D]
     dims = tl.arange(0, HEAD)
-    q_rows = token * stride_token + (query - token * tl.num_programs(1) * GROUP) * HEAD
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=live[:, None], other=0.0)
+    q = tl.load(q_ptr + (token * stride_token + head * HEAD)[:, None] + dims[None, :], mask=live[:, None], other=0.0)
     length = tl.load(length_ptr)
     bound = tl.minimum(length + region, num_slots)
     peak = tl.full((BLOCK_M,), float("-inf"), tl.float32)
