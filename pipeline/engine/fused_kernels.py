@@ -387,7 +387,7 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
     m = torch.empty(0 if direct else tokens * heads * splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     o = torch.empty(m.shape[0], head, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # contiguous whatever q's strides: the kernels write rows of [T * H, D]
     if q.stride(2) != 1 or q.stride(1) != head:  # heads side by side; tokens may lie at any stride
         q = q.contiguous()
     args = (q, k, v, length, k if rows is None else rows.contiguous().view(torch.uint8), m, l, o, slots,
@@ -410,4 +410,4 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
 @slot_attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
       rows: torch.Tensor | None) -> torch.Tensor:
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
