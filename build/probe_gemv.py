@@ -26,7 +26,7 @@ from pipeline.engine.fused_kernels import _gemv_kernel  # noqa: E402
 SHAPES = {"qkv": (6144, 4096, 32, "norm"), "o": (4096, 4096, 32, "residual"),
           "gate_up": (28672, 4096, 32, "norm"), "down": (4096, 14336, 32, "residual"),
           "lm_head": (128256, 4096, 1, "plain")}
-SWEEP = ((2, 1024, 4), (4, 1024, 4), (2, 2048, 8), (1, 1024, 4), (4, 512, 4))  # rows, columns, warps
+SWEEP = ((8, 1024, 8), (16, 1024, 8), (4, 1024, 4), (1, 1024, 4), (2, 1024, 4), (8, 512, 8))  # rows, columns, warps
 COPIES = 6
 REPS = 4 * COPIES
 EPS = 1e-5
@@ -79,7 +79,8 @@ def main() -> None:
             for rows, cols, warps in SWEEP:
                 def run(i, rows=rows, cols=cols, warps=warps, norm=norm, res=res):
                     _gemv_kernel[(triton.cdiv(n, rows),)](ws[i % copies], x, y, g, r, n, k, EPS, NORM=norm,
-                                                          RESIDUAL=res, BLOCK_ROWS=rows, BLOCK_K=cols, num_warps=warps)
+                                                          RESIDUAL=res, GATED=False, BLOCK_ROWS=rows, BLOCK_K=cols,
+                                                          num_warps=warps)
                 if not fused:
                     run(0)
                     err = ((y.float() - ref).abs().max() / ref.abs().max()).item()

@@ -43,12 +43,13 @@ if TYPE_CHECKING:
 
 KERNELS_ENV = "SPECPIPE_KERNELS"
 LEVELS = ("fused", "gemv", "off")
-# One GEMV configuration for every shape: the best or within 3% of it for every 8B projection in the
-# probe when each call reads a matrix that is not in L2 (8 rows x 512 columns, chosen on a probe that
-# repeated one matrix, was 10-55% slower that way).
-BLOCK_ROWS = 2
+# One GEMV configuration for every shape, a warp a row. H200, session j: the 8B decode loop ran 238.4
+# and 241.9 tok/s against 229.8 and 229.6 for 4 rows a program with the norm and 1 without (4 warps),
+# 235.4 for 16 rows (8 warps), 215.3 for 2 rows (4 warps; sessions d-i); build/probe_gemv.py put all
+# of them within 5% for the 129 products of a token, each call reading a matrix not in L2.
+BLOCK_ROWS = 8
 BLOCK_K = 1024
-NUM_WARPS = 4
+NUM_WARPS = 8
 # Attention of one token: each program walks a span of cache slots ATTENTION_CHUNK_SLOTS at a time;
 # spans are one chunk until the cache has more chunks than ATTENTION_MAX_SPLITS, so a short text
 # already runs on many SMs, and the merge of the spans' partial softmaxes stays one small tile a head.
