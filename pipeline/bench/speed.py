@@ -52,7 +52,11 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_
 TINY_SHAPE = ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_size=16,
                          intermediate_size=128, norm_epsilon=1e-5, rope_theta=10000.0, rope_scaling=None,
                          max_position_embeddings=1024)
-SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY_SHAPE}
+# SmolLM2-135M's shape with random weights: where launches, not bandwidth, bound a step.
+SMOLLM2_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                            head_size=64, intermediate_size=1536, norm_epsilon=1e-5, rope_theta=100000.0,
+                            rope_scaling=None, max_position_embeddings=8192)
+SHAPES = {"llama3-8b": LLAMA3_8B, "smollm2": SMOLLM2_SHAPE, "tiny": TINY_SHAPE}
 
 VERIFY_TREE_SIZES = (8, 16, 32, 64)  # nodes, root included: the first N-1 paths of Medusa's default tree
 ROOFLINE_PROMPT_LEN = 128
