@@ -5,8 +5,8 @@ matrices stream from memory, plus whatever each layer spends between them. Two l
 
 - gemv: every single-token product of a half-precision Linear goes through one GEMV kernel, each
   program summing BLOCK_ROWS whole rows in float32. On an H200, with a new matrix each call as in a
-  real step (build/probe_gemv.py), it reads the Llama-3-8B projections at 3.1-4.3 TB/s; the 129
-  products of one token took 3.48 ms against cuBLAS's 4.04 ms in an earlier probe that reused them.
+  real step (build/probe_gemv.py), it reads the Llama-3-8B projections at 3.1-4.5 TB/s; the 129
+  products of one token took 3.87 ms against cuBLAS's 3.93 ms (session j).
 - fused (the default): a decoder layer becomes four GEMVs and an attention of two kernels, each
   kernel boundary costing a microsecond or more. The RMS norms run inside the GEMVs that read them
   (QKV, gate/up), rotary and the cache write inside the QKV GEMV, the residual adds inside the GEMVs
