@@ -57,7 +57,7 @@ CHECK = textwrap.dedent("""
     # The QKV GEMV with rotary and the cache write as its epilogue against the two kernels it replaces,
     # which round the same way: the same cache (other rows and slots stay zero). Bit for bit under the
     # interpreter; on the H200 a row's float32 sum may run in another order, one bf16 unit apart (5 of 640 values).
-    for heads, kv_heads, dim, k in ((6, 2, 16, 40), (4, 2, 64, 1100)):
+    for heads, kv_heads, dim, k in ((6, 2, 16, 40), (4, 2, 64, 1100), (2, 1, 4, 24)):  # a head narrower than a block
         w = torch.randn((heads + 2 * kv_heads) * dim, k, dtype=torch.bfloat16)
         x, g = torch.randn(k, dtype=torch.bfloat16), torch.randn(k, dtype=torch.bfloat16)
         rotary = Rotary(dim, 1e4, None, 64)

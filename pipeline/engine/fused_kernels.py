@@ -217,13 +217,14 @@ def gemv_rope_store(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: f
     one kernel (_gemv_rope_kernel): x [K] RMS-normalised times w [(H + 2 Hkv) D, K] -> rotated q [H D]."""
     kv_heads, head = k_cache.shape[-2], k_cache.shape[-1]
     assert w.shape[0] == (heads + 2 * kv_heads) * head
-    assert BLOCK_ROWS >= 2 and head % BLOCK_ROWS == 0, "a program's row pairs must lie in one head"
+    rows = min(BLOCK_ROWS, head)  # both powers of two: a program's row pairs lie in one head
+    assert rows >= 2, "rotate-half pairs need a head of two dimensions at least"
     x, w = x.contiguous(), w.contiguous()
     q = x.new_empty(heads * head)
-    _gemv_rope_kernel[(w.shape[0] // BLOCK_ROWS,)](
+    _gemv_rope_kernel[(w.shape[0] // rows,)](
         w, x, norm.contiguous(), cos, sin, position, slot, q, k_cache, v_cache, w.shape[1], eps,
         *_cache_offsets(k_cache, v_cache, cos, sin, layer), HEADS=heads, KV_HEADS=kv_heads, HEAD=head,
-        BLOCK_ROWS=BLOCK_ROWS, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+        BLOCK_ROWS=rows, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     return q
 
 
