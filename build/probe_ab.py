@@ -36,7 +36,7 @@ PROMPT_TOKENS = 128
 MODULES = {"fused": fused, "fused_kernels": fused_kernels}
 
 
-def parse(variant: str) -> dict[tuple[str, str], int | float]:
+def parse(variant: str) -> dict[tuple[str, str], int | float | str]:
     if variant == "base":
         return {}
     settings = {}
@@ -46,8 +46,18 @@ def parse(variant: str) -> dict[tuple[str, str], int | float]:
         if module not in MODULES or not hasattr(MODULES[module], name) or not value:
             sys.exit(f"{item!r}: write MODULE.NAME=VALUE with MODULE one of {', '.join(MODULES)} and NAME "
                      f"one of its settings (e.g. fused_kernels.BLOCK_ROWS=8)")
-        settings[(module, name)] = float(value) if "." in value else int(value)
+        settings[(module, name)] = number_or_text(value)
     return settings
+
+
+def number_or_text(value: str) -> int | float | str:
+    """8 -> 8, 0.5 -> 0.5, tf32x3 -> "tf32x3" (fused_kernels.FLOAT32_DOT takes a name)."""
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
 
 
 def main() -> None:
