@@ -11,6 +11,7 @@ fused_kernels (the kernels read their block sizes from fused_kernels, the layer'
 
   python3 build/probe_ab.py base fused_kernels.BLOCK_ROWS=2,fused_kernels.NUM_WARPS=4 fused.ROPE_IN_GEMV=0
   python3 build/probe_ab.py --shape smollm2 --rounds 10 base fused_kernels.BLOCK_ROWS=2
+  python3 build/probe_ab.py --tree 64 base fused.ROWS_MLP=0   # a 64-token verification pass instead
 
 Session j chose the GEMV configuration this way (BENCHMARKS.md §1 (j)): a probe of the products alone put
 the candidates within 5 % of each other, the loop 10 % apart.
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from pipeline.bench.speed import SHAPES, _IdsOnly, decode_rates, random_model, streamed_bytes  # noqa: E402
+from pipeline.bench.speed import SHAPES, _IdsOnly, decode_rates, random_model, streamed_bytes, verify_costs  # noqa: E402
 from pipeline.engine import fused, fused_kernels  # noqa: E402
 from pipeline.engine.config import EngineLimits, SpecConfig  # noqa: E402
 from pipeline.engine.request import SamplingParams  # noqa: E402
@@ -36,7 +37,7 @@ PROMPT_TOKENS = 128
 MODULES = {"fused": fused, "fused_kernels": fused_kernels}
 
 
-def parse(variant: str) -> dict[tuple[str, str], int | float | str]:
+def parse(variant: str) -> dict[tuple[str, str], int | float | str | tuple]:
     if variant == "base":
         return {}
     settings = {}
@@ -50,8 +51,11 @@ def parse(variant: str) -> dict[tuple[str, str], int | float | str]:
     return settings
 
 
-def number_or_text(value: str) -> int | float | str:
-    """8 -> 8, 0.5 -> 0.5, tf32x3 -> "tf32x3" (fused_kernels.FLOAT32_DOT takes a name)."""
+def number_or_text(value: str) -> int | float | str | tuple:
+    """8 -> 8, 0.5 -> 0.5, tf32x3 -> "tf32x3" (fused_kernels.FLOAT32_DOT takes a name), 64/128/4/3 ->
+    (64, 128, 4, 3) (fused_kernels.ROWS_GEMM_TILE takes a tuple)."""
+    if "/" in value:
+        return tuple(number_or_text(part) for part in value.split("/"))
     for kind in (int, float):
         try:
             return kind(value)
@@ -66,6 +70,8 @@ def main() -> None:
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--tree", type=int, default=0,
+                    help="time the verification pass of a tree of this many tokens against a 1-token pass instead")
     args = ap.parse_args()
     variants = {v: parse(v) for v in args.variants}
     committed = {key: getattr(MODULES[key[0]], key[1]) for s in variants.values() for key in s}
@@ -94,7 +100,19 @@ def main() -> None:
         for r in range(args.rounds):
             for name in (args.variants if r % 2 == 0 else args.variants[::-1]):
                 apply(variants[name])
-                rates[name] += decode_rates(engines[name], prompt, args.tokens, 1)
+                if args.tree:
+                    rates[name].append({k: v * 1e3 for k, v in verify_costs(
+                        engines[name], PROMPT_TOKENS, (args.tree,), 1).items()})
+                else:
+                    rates[name] += decode_rates(engines[name], prompt, args.tokens, 1)
+    if args.tree:
+        print(f"{args.shape}, verification after {PROMPT_TOKENS} tokens, {args.rounds} rounds: ms of a pass")
+        for name, runs in rates.items():
+            one, tree = (statistics.median(run[k] for run in runs) for k in (1, args.tree))
+            ratio = statistics.median(run[args.tree] / run[1] for run in runs)
+            print(f"  1 token {one:.3f}  {args.tree} tokens {tree:.3f}  ratio {ratio:.3f}  {name}   (ratios "
+                  + " ".join(f"{run[args.tree] / run[1]:.3f}" for run in runs) + ")")
+        return
     print(f"{args.shape}, {args.tokens} tokens after {PROMPT_TOKENS}, {args.rounds} rounds; floor at {READ_TBPS} TB/s")
     for name, runs in rates.items():
         median = statistics.median(runs)

@@ -7,7 +7,12 @@ Each product runs inside one CUDA graph cycling through distinct weight copies (
 so that no matrix is read from L2. Prints microseconds (GB/s of weights) per shape and row count,
 and the sum over one pass's 129 products for cuBLAS, the best tile per shape and the best single tile.
 
+With --mlp: a tree step's MLP of one layer (gate/up, SiLU-and-multiply, down, residual add) as the engine
+ran it before fused.ROWS_MLP (compiled: cuBLAS, inductor's SiLU, cuBLAS split-K and its reduction) against
+fused_kernels.rows_gemm's two kernels over a sweep of its tiles.
+
   python3 build/probe_tree_gemm.py               # on a CUDA machine with Triton (about a minute)
+  python3 build/probe_tree_gemm.py --mlp         # the MLP of a tree step
   TRITON_INTERPRET=1 python3 build/probe_tree_gemm.py --check    # the kernel's sums on the CPU
 """
 import argparse
@@ -109,7 +114,71 @@ def main() -> None:
     print(f"probe {time.time() - t0:.0f} s")
 
 
+# rows_gemm tiles: BLOCK_N outputs, BLOCK_K columns, warps, stages
+MLP_SWEEP = (*itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4)), (32, 128, 8, 4), (64, 128, 8, 3),
+             (32, 64, 4, 6), (16, 128, 4, 6))
+HIDDEN, INTERMEDIATE, LAYERS = 4096, 14336, 32
+
+
+def mlp() -> None:
+    from probe_gemv import COPIES, timed
+
+    from pipeline.engine import fused_kernels
+
+    torch.manual_seed(0)
+    t0 = time.time()
+    up = [torch.randn(2 * INTERMEDIATE, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+    down = [torch.randn(HIDDEN, INTERMEDIATE, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+    mb = (up[0].numel() + down[0].numel()) * 2 / 1e6
+
+    def engine_mlp(x: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, r: torch.Tensor) -> torch.Tensor:  # the engine's unfused MLP as torch.compile traces it
+        fc, gate = F.linear(x, wu).chunk(2, dim=-1)
+        return r + F.linear(F.silu(fc) * gate, wd)
+
+    compiled = torch.compile(engine_mlp, fullgraph=True)
+    for m in (64, 16):
+        x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(m, INTERMEDIATE, device="cuda", dtype=torch.bfloat16)
+        want = engine_mlp(x, up[0], down[0], r).float()
+        t_base = timed(lambda i: compiled(x, up[i % COPIES], down[i % COPIES], r))
+        t_up = timed(lambda i: F.linear(x, up[i % COPIES]))
+        t_down = timed(lambda i: F.linear(g, down[i % COPIES]))
+        print(f"{m} rows: compiled cuBLAS MLP {t_base:.1f} us a layer ({mb / t_base * 1e3:.0f} GB/s); its GEMMs "
+              f"alone gate/up {t_up:.1f}, down {t_down:.1f}", flush=True)
+        best = {}
+        for gated in (True, False):
+            times = {}
+            for tile in MLP_SWEEP:
+                fused_kernels.ROWS_GEMM_TILE = tile
+                run = ((lambda i: fused_kernels.rows_gemm(x, up[i % COPIES], gated=True)) if gated else
+                       (lambda i: fused_kernels.rows_gemm(g, down[i % COPIES], residual=r)))
+                try:
+                    run(0)
+                except triton.runtime.errors.OutOfResources:
+                    continue
+                times[tile] = timed(run)
+            top = sorted(times, key=times.get)[:4]
+            best[gated] = top[0]
+            print(f"  rows_gemm {'gated gate/up' if gated else 'down + residual'}: " + "  ".join(
+                f"{','.join(map(str, c))}: {times[c]:.1f}" for c in top), flush=True)
+
+        def fused_mlp(i: int) -> torch.Tensor:
+            fused_kernels.ROWS_GEMM_TILE = best[True]
+            h = fused_kernels.rows_gemm(x, up[i % COPIES], gated=True)
+            fused_kernels.ROWS_GEMM_TILE = best[False]
+            return fused_kernels.rows_gemm(h, down[i % COPIES], residual=r)
+
+        err = ((fused_mlp(0).float() - want).abs().max() / want.abs().max()).item()
+        t_fused = timed(fused_mlp)
+        print(f"  two kernels, best tiles: {t_fused:.1f} us a layer against {t_base:.1f} "
+              f"({LAYERS * (t_base - t_fused):+.0f} us a step of {LAYERS} layers); max rel err {err:.1e}", flush=True)
+    print(f"probe {time.time() - t0:.0f} s")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="check the kernel's sums (CPU, TRITON_INTERPRET=1)")
-    check() if ap.parse_args().check else main()
+    ap.add_argument("--mlp", action="store_true", help="a tree step's MLP: cuBLAS and inductor against rows_gemm")
+    args = ap.parse_args()
+    check() if args.check else mlp() if args.mlp else main()

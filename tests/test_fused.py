@@ -68,6 +68,26 @@ CHECK = textwrap.dedent("""
         assert want_k[1, 0, 6].any() and torch.equal(got_v, want_v)
         close(got_k, want_k, 1e-2)
 
+    # Tree steps' MLP products: rows, outputs and columns off the tiles (16-64 rows, 32 outputs, 128
+    # columns), more rows than one tile; the layer's two kernels against its unfused MLP. Triton's
+    # interpreter multiplies bf16 tiles as raw integers (see the attention below): float32 on the CPU.
+    from pipeline.engine.fused_kernels import rows_gemm
+    half = torch.bfloat16 if device == "cuda" else torch.float32
+    tol = 1e-2 if device == "cuda" else 1e-5
+    for m, n, k in ((3, 40, 70), (16, 64, 300), (37, 96, 128), (70, 20, 40)):
+        x, w, r = torch.randn(m, k, dtype=half), torch.randn(n, k, dtype=half), torch.randn(m, n, dtype=half)
+        want = x.double() @ w.double().T
+        close(rows_gemm(x, w), want, tol)
+        close(rows_gemm(x, w, residual=r), want + r.double(), tol)
+        fc, gate = want.chunk(2, dim=1)
+        close(rows_gemm(x, w, gated=True), F.silu(fc) * gate, tol)
+    # A decoder layer's step of several tokens, its MLP through the two kernels, against the unfused layer.
+    layer = Transformer(ModelConfig(64, 40, 1, 2, 1, 20, 24, 1e-5, 1e4, None, 64)).layers[0].to(half)
+    for p in layer.parameters():
+        p.normal_(0, 0.3)
+    x = torch.randn(1, 5, 40, dtype=half)
+    close(fused.several_token_mlp(layer, x), x + layer.mlp(layer.post_layernorm(x)), 4 * tol)
+
     lin = Linear(64, 24, bias=True).to(torch.bfloat16)
     fused.attach(lin, "gemv", (device,))
     one, many = torch.randn(1, 1, 64, dtype=torch.bfloat16), torch.randn(1, 3, 64, dtype=torch.bfloat16)
@@ -87,7 +107,6 @@ CHECK = textwrap.dedent("""
     # ... tree tokens see the text and what their row of the region allows, through tensor-core tiles
     # (a single token with a wider region, an EAGLE level of one node, stays on CUDA cores).
     # Triton's interpreter multiplies bf16 tiles as raw integers, so on the CPU only float32 runs.
-    half = torch.bfloat16 if device == "cuda" else torch.float32
     for heads, kv_heads, dim, slots, length, tokens, region, dtype in (
             (6, 2, 16, 300, 97, 5, 7, half), (8, 2, 32, 1100, 1040, 12, 12, torch.float32),
             (4, 4, 64, 64, 0, 3, 3, half), (9, 3, 64, 2000, 33, 64, 64, torch.float32), (32, 8, 128, 322, 128, 64, 64, half),

@@ -17,8 +17,11 @@ matrices stream from memory, plus whatever each layer spends between them. Two l
   unless GATED_GEMV (see there). Layers the kernels do not cover (biases, other activations, no
   input norm, head sizes that are not a power of two) keep the gemv level.
 
-Steps with more tokens (trees, an EAGLE draft's passes) keep cuBLAS for their products, but their
-attention, like a single token's, goes through the slot-attention kernel whenever the CUDA graphs
+A fused layer's steps of up to 64 tokens (trees, batched decode rows) run their MLP as two
+tensor-core GEMMs of ours (rows_gemm), each reading a weight tile once for all the tokens, with
+SiLU and the residual add inside (ROWS_MLP); the attention's products stay on cuBLAS, and more
+tokens (prefills) keep cuBLAS throughout. The attention of steps of several tokens (an EAGLE draft's
+passes too), like a single token's, goes through the slot-attention kernel whenever the CUDA graphs
 call it: it reads the accepted text and the step's own region of slots through the tree mask,
 instead of SDPA over every cache slot with a mask (42 us a layer for SmolLM2's 64-node trees, most
 of an EAGLE step). It serves every CUDA dtype. Prefills stay on SDPA; CPU models never change.
@@ -89,6 +92,21 @@ GATED_GEMV = False
 # of runs) 28 us a token less device time and about 90 us less span; the loop's tokens/s drifted more
 # between runs than that.
 ROPE_IN_GEMV = True
+# Steps of several tokens, up to ROWS_GEMM_MAX_TOKENS (trees, batched decode rows): whether the MLP runs
+# as two rows_gemm kernels, SiLU-and-multiply inside the first and the residual add inside the second,
+# instead of cuBLAS's two GEMMs (the second split along K, plus its reduction) and inductor's SiLU.
+# H200, session k, 8B shape (build/probe_ab.py --tree 64, two machines): a 64-token pass 4.97 against
+# 5.25 ms, 5.07 against 5.28. The QKV and output products stay on cuBLAS, which streams them as fast as
+# rows_gemm's best tiles (build/probe_tree_gemm.py); all four products through rows_gemm, with the norms
+# inside (each row's sum of squares from the x tiles the products stream, g * x before the products),
+# took 8.23 ms (see _rows_gemm_kernel).
+ROWS_MLP = True
+ROWS_GEMM_MAX_TOKENS = 64  # one tile of x's rows: every weight tile is read once a step
+# (BLOCK_N outputs, BLOCK_K columns, warps, pipeline stages) a program of rows_gemm, gated or not. H200,
+# 64 rows (build/probe_tree_gemm.py --mlp): gate/up 60.4 us, down with the residual 34.0, against 100.5 for
+# the compiled cuBLAS MLP; the next tiles 0.1-7 us slower (32 outputs and 128 columns for down: 41.2).
+ROWS_GEMM_GATED_TILE = (64, 64, 4, 4)
+ROWS_GEMM_TILE = (32, 256, 4, 4)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -125,6 +143,7 @@ def attach(model: nn.Module, kernels: str | None = None, device_types: tuple[str
     fused = [m for m in layers if kernels == "fused" and fusable(m)]
     for m in layers:
         m.fused = single_token_layer if m in fused else None
+        m.fused_mlp = several_token_mlp if m in fused else None
     return {"gemv_layers": len(linears) if gemv else 0, "fused_layers": len(fused),
             "attention_layers": sum(m.slot_attention is not None for m in attentions)}
 
@@ -164,3 +183,19 @@ def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContex
         fc, gate = gemv(h, mlp.fc_gate.weight, layer.post_layernorm.weight, layer.post_layernorm.eps).chunk(2)
         gated = mlp.act(fc) * gate
     return gemv(gated, mlp.proj.weight, residual=h).view_as(x)
+
+
+
+
+def several_token_mlp(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+    """x + MLP(post_layernorm(x)) for a step of several tokens (x [B, T, H]): with ROWS_MLP and at most
+    ROWS_GEMM_MAX_TOKENS tokens in all, the two products through rows_gemm with SiLU and the residual add
+    inside; more tokens (prefills) keep cuBLAS."""
+    tokens = x.shape[:-1].numel()
+    if not ROWS_MLP or tokens > ROWS_GEMM_MAX_TOKENS:
+        return x + layer.mlp(layer.post_layernorm(x))
+    from pipeline.engine.fused_kernels import rows_gemm
+
+    rows = x.view(tokens, -1)
+    gated = rows_gemm(layer.post_layernorm(rows), layer.mlp.fc_gate.weight, gated=True)
+    return rows_gemm(gated, layer.mlp.proj.weight, residual=rows).view_as(x)

@@ -261,8 +261,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    # fused.single_token_layer when fused.attach routed this layer's single-token steps to the kernels
+    # fused.single_token_layer and fused.several_token_mlp when fused.attach routed this layer's steps to
+    # the kernels: single tokens all through, steps of several tokens from the MLP's norm on
     fused: Callable[["DecoderLayer", torch.Tensor, "ForwardContext", int], torch.Tensor] | None = None
+    fused_mlp: Callable[["DecoderLayer", torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig, input_norm: bool = True):
         super().__init__()
@@ -276,6 +278,8 @@ class DecoderLayer(nn.Module):
         if self.fused is not None and x.shape[:-1].numel() == 1:
             return self.fused(self, x, ctx, layer)
         x = x + self.attention(self.input_layernorm(x), ctx, layer)
+        if self.fused_mlp is not None:
+            return self.fused_mlp(self, x)
         return x + self.mlp(self.post_layernorm(x))
 
 
