@@ -68,8 +68,9 @@ CHECK = textwrap.dedent("""
         assert want_k[1, 0, 6].any() and torch.equal(got_v, want_v)
         close(got_k, want_k, 1e-2)
 
-    # Tree steps' MLP products: rows, outputs and columns off the tiles (16-64 rows, 32 outputs, 128
-    # columns), more rows than one tile; the layer's two kernels against its unfused MLP. Triton's
+    # Tree steps' MLP products: rows, outputs and columns off the tiles (16-64 rows; 64 outputs by 64
+    # columns gated, 32 by 256 plain), more rows than one tile; the layer's two kernels against its
+    # unfused MLP. Triton's
     # interpreter multiplies bf16 tiles as raw integers (see the attention below): float32 on the CPU.
     from pipeline.engine.fused_kernels import rows_gemm
     half = torch.bfloat16 if device == "cuda" else torch.float32
