@@ -28,14 +28,16 @@ def test_roofline_suite_reports_the_floor_the_trees_and_a_profile(tmp_path, caps
     assert "plain decode profiled:" in capsys.readouterr().out
 
 
-def test_smollm2_suite_matches_plain_for_every_method(tmp_path):
+@pytest.mark.parametrize("interleave", [None, True])  # the CPU's default (one method after another), CUDA's
+def test_smollm2_suite_matches_plain_for_every_method(tmp_path, interleave):
     cfg = BenchConfig(device="cpu", suites=("smollm2",), output=tmp_path / "out", drafts=ROOT / "drafts",
-                      work_dir=tmp_path / "work", methods=("plain", "eagle3-deep", "ngram"), num_prompts=1,
-                      hf_prompts=1, max_tokens=8, profile_tokens=4)
+                      work_dir=tmp_path / "work", methods=("plain", "eagle3-deep", "ngram"), num_prompts=2,
+                      hf_prompts=1, max_tokens=8, profile_tokens=4, interleave=interleave)
     methods = json.loads(run_bench(cfg).read_text())["smollm2"]["methods"]
     assert set(methods) == {"plain", "eagle3-deep", "ngram", "hf-generate", "hf-prompt-lookup"}
     plain = methods["plain"]["outputs"]
-    assert len(plain) == 1 and len(plain[0]) == 8
+    assert len(plain) == 2 and all(len(o) == 8 for o in plain)
+    assert methods["ngram"]["interleaved_with"] == (["plain", "eagle3-deep"] if interleave else [])
     for name, r in methods.items():
         assert r["exact_match_rate"] == 1.0, name  # greedy speculation and the HF peers: the same 8 tokens
     assert methods["eagle3-deep"]["acceptance_length"] >= 1.0

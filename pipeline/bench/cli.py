@@ -86,6 +86,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-prompts", type=int, default=d.hf_prompts, help="prompts for the Hugging Face peers (0 = skip)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--budget-s", type=float, default=d.budget_s, help="per method: no new prompt after this many seconds")
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=d.interleave,
+                   help="smollm2: methods take turns prompt by prompt, all engines loaded (default: on CUDA only)")
     p.add_argument("--dtype", default=d.dtype, choices=SMOLLM2_DTYPES,
                    help="SmolLM2 engine weights (the Hugging Face peers stay float32)")
     p.add_argument("--profile-tokens", type=int, default=d.profile_tokens,
@@ -107,7 +109,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                       methods=args.methods, num_prompts=args.num_prompts, hf_prompts=args.hf_prompts,
                       profile_tokens=args.profile_tokens, dtype=args.dtype,
                       comparisons=args.comparisons,
-                      max_tokens=args.max_tokens, budget_s=args.budget_s)
+                      max_tokens=args.max_tokens, budget_s=args.budget_s, interleave=args.interleave)
     print(f"wrote {run_bench(cfg)}")
     return 0
 

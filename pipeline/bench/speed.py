@@ -6,7 +6,8 @@ Suites (any subset, in this order):
              engine as a fraction of the floor; the cost of verifying 8..64-token trees vs 1 token.
   smollm2    SmolLM2-135M-Instruct with the trained drafts on MT-bench first turns (chat template,
              greedy, fixed length): tokens/s and mean acceptance length per method, with Hugging
-             Face `generate` and prompt-lookup assisted generation as peers.
+             Face `generate` and prompt-lookup assisted generation as peers. On CUDA the engines take
+             turns prompt by prompt (run_engines).
   coldstart  wall time of `python -m pipeline generate --max-tokens 1` from process start.
 Everything is seeded; GPU timings are taken after warm-up and synchronisation.
 """
@@ -82,6 +83,7 @@ class BenchConfig:
     hf_prompts: int = 8
     max_tokens: int = 256
     budget_s: float = 0.0  # per method: stop starting new prompts after this many seconds (0 = no limit)
+    interleave: bool | None = None  # methods take turns prompt by prompt (None: on CUDA), see run_engines
     lookup_tokens: int = 10  # Hugging Face prompt_lookup_num_tokens
     profile_tokens: int = 0  # one profiled request of this many tokens per engine after timing (0 = off)
     comparisons: bool = True  # roofline: also re-measure decode by kernel level, uncompiled and eager
@@ -346,33 +348,83 @@ def chat_ids(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     return [prompt_ids(tokenizer, p, chat=True) for p in prompts]
 
 
-def run_engine(name: str, engine_dir: Path, prompts: list[list[int]], cfg: BenchConfig,
-               device: torch.device) -> dict[str, Any]:
-    engine = Engine.from_dir(engine_dir, device=str(device))
+def run_engines(names: list[str], engine_dirs: dict[str, Path], prompts: list[list[int]], cfg: BenchConfig,
+                device: torch.device) -> dict[str, Any]:
+    """Every method's tokens/s on the prompts. Interleaved (cfg.interleave, default on CUDA): all engines
+    loaded, each prompt run by every method in turn (the order reversed every other prompt), so that a
+    host drifting over minutes moves every method alike and all run the same prompts. Otherwise one
+    method after another (on the CPU, alternating engines would alternate their threads' OpenMP pools,
+    see engine/cpu_threads.py). The budget is cfg.budget_s a method either way. A method that fails
+    is reported with its error; plain's failure ends the run."""
+    interleave = cfg.device.startswith("cuda") if cfg.interleave is None else cfg.interleave
+    results: dict[str, Any] = {}
+    for group in ([names] if interleave else [[name] for name in names]):
+        results.update(run_group(group, engine_dirs, prompts, cfg, device))
+        save_json(cfg.output / "partial-smollm2.json", results)
+    return results
+
+
+def run_group(names: list[str], engine_dirs: dict[str, Path], prompts: list[list[int]], cfg: BenchConfig,
+              device: torch.device) -> dict[str, Any]:
     params = SamplingParams(max_tokens=cfg.max_tokens, end_id=-1)
-    with torch.inference_mode():
-        engine.generate(prompts[0], SamplingParams(max_tokens=32, end_id=-1))  # warm-up: graphs, kernels
-    outputs, stats, seconds = [], [], 0.0
-    for ids in tqdm(prompts, desc=name, unit="prompt"):
-        if cfg.budget_s and seconds > cfg.budget_s:
-            break
+    engines: dict[str, Engine] = {}
+    runs: dict[str, dict[str, Any]] = {}
+    failed: dict[str, Any] = {}
+
+    def attempt(name: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except (RuntimeError, UserError) as exc:  # one broken method must not cost the others' numbers
+            if name == "plain":
+                raise
+            failed[name] = {"method": name, "error": f"{type(exc).__name__}: {exc}"}
+            engines.pop(name, None)
+
+    def warmed(name: str) -> Engine:
+        engine = Engine.from_dir(engine_dirs[name], device=str(device))
+        with torch.inference_mode():
+            engine.generate(prompts[0], SamplingParams(max_tokens=32, end_id=-1))  # warm-up: graphs, kernels
+        return engine
+
+    def timed(name: str, ids: list[int]) -> None:
         sync(device)
         start = time.perf_counter()
-        result = engine.generate(ids, params)
+        result = engines[name].generate(ids, params)
         sync(device)
-        seconds += time.perf_counter() - start
-        outputs.append(result.token_ids)
-        stats.append(result.stats)
-    total = SpecStats.total(stats)
-    tokens = sum(len(o) for o in outputs)
-    profile = profile_request(engine, prompts[0], cfg.profile_tokens) if cfg.profile_tokens else None
-    del engine
-    return {"method": name, "spec_mode": METHODS[name].draft or METHODS[name].build.get("speculative", "none"),
-            "build": METHODS[name].build, "convert": METHODS[name].convert, "prompts": len(outputs),
-            "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+        run = runs[name]
+        run["seconds"] += time.perf_counter() - start
+        run["outputs"].append(result.token_ids)
+        run["stats"].append(result.stats)
+
+    for name in names:
+        engine = attempt(name, lambda: warmed(name))
+        if engine is not None:
+            engines[name] = engine
+            runs[name] = {"outputs": [], "stats": [], "seconds": 0.0}
+    for i, ids in enumerate(tqdm(prompts, desc=" + ".join(names), unit="prompt")):
+        if cfg.budget_s and sum(r["seconds"] for r in runs.values()) > cfg.budget_s * len(runs):
+            break
+        for name in list(engines) if i % 2 == 0 else list(engines)[::-1]:
+            attempt(name, lambda: timed(name, ids))
+    results = {}
+    for name in names:
+        if name in failed:
+            results[name] = failed[name]
+            continue
+        run, engine = runs[name], engines.pop(name)
+        profile = profile_request(engine, prompts[0], cfg.profile_tokens) if cfg.profile_tokens else None
+        del engine
+        total = SpecStats.total(run["stats"])
+        tokens = sum(len(o) for o in run["outputs"])
+        results[name] = {
+            "method": name, "spec_mode": METHODS[name].draft or METHODS[name].build.get("speculative", "none"),
+            "build": METHODS[name].build, "convert": METHODS[name].convert, "prompts": len(run["outputs"]),
+            "interleaved_with": [n for n in names if n != name and n not in failed],
+            "tokens": tokens, "seconds": run["seconds"], "tokens_per_s": tokens / run["seconds"],
             "acceptance_length": total.acceptance_length, "per_depth_acceptance": total.per_depth_acceptance,
             "draft_tokens_per_step": total.draft_tokens / total.steps if total.steps else 0.0,
-            "outputs": outputs, **({"profile": profile} if profile else {})}
+            "outputs": run["outputs"], **({"profile": profile} if profile else {})}
+    return results
 
 
 PROFILE_ROWS = 15
@@ -458,15 +510,7 @@ def run_smollm2(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
     source = on_own_thread(load_target, cfg.target)
     engines = on_own_thread(build_engines, cfg, source, names)
     prompts = chat_ids(source.tokenizer, load_prompts(None, cfg.num_prompts))
-    results: dict[str, Any] = {}
-    for name in names:
-        try:
-            results[name] = run_engine(name, engines[name], prompts, cfg, device)
-        except (RuntimeError, UserError) as exc:  # one broken method must not cost the others' numbers
-            if name == "plain":
-                raise
-            results[name] = {"method": name, "error": f"{type(exc).__name__}: {exc}"}
-        save_json(cfg.output / "partial-smollm2.json", results)
+    results = run_engines(names, engines, prompts, cfg, device)
     if cfg.hf_prompts:
         model = load_hf_model(source, dtype=torch.float32, device=str(device))
         model.generation_config.eos_token_id = None  # fixed-length outputs, like end_id=-1 in ours
