@@ -1,4 +1,4 @@
-"""Single-token steps on CUDA: our own Triton kernels instead of cuBLAS and a dozen small kernels.
+"""Decode and tree steps on CUDA: our own Triton kernels instead of cuBLAS and a dozen small kernels.
 
 At batch 1 a decode step is one row times every weight matrix, so its speed is how fast those
 matrices stream from memory, plus whatever each layer spends between them. Two levels:
@@ -183,8 +183,6 @@ def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContex
         fc, gate = gemv(h, mlp.fc_gate.weight, layer.post_layernorm.weight, layer.post_layernorm.eps).chunk(2)
         gated = mlp.act(fc) * gate
     return gemv(gated, mlp.proj.weight, residual=h).view_as(x)
-
-
 
 
 def several_token_mlp(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:

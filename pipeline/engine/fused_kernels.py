@@ -14,8 +14,7 @@ import triton.language as tl
 
 from pipeline.engine.fused import (ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_SPLITS, ATTENTION_PROGRAMS, BLOCK_K,
                                    BLOCK_ROWS, FLOAT32_DOT, NUM_WARPS, ROWS_GEMM_GATED_TILE, ROWS_GEMM_MAX_TOKENS,
-                                   ROWS_GEMM_TILE,
-                                   TREE_BLOCK_ROWS, TREE_BLOCK_SLOTS, TREE_MAX_BLOCKS_PER_SPLIT,
+                                   ROWS_GEMM_TILE, TREE_BLOCK_ROWS, TREE_BLOCK_SLOTS, TREE_MAX_BLOCKS_PER_SPLIT,
                                    TREE_MIN_BLOCKS_PER_SPLIT, TREE_MIN_ROWS)
 
 
