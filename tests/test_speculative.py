@@ -261,3 +261,21 @@ def test_groups_queued_behind_each_other_stay_inside_the_cache(tiny_llama_dir, p
     engine.run_ahead = 8
     got = greedy(engine, PROMPTS[0], n)
     assert got.token_ids == ref[len(ids):] and got.stats.acceptance_length > 2
+
+
+def test_queued_groups_end_near_the_request_end(tiny_llama_dir, plain, tmp_path):
+    """Queued steps cover half of those the request is expected to need at the tokens a step has
+    emitted so far: an oracle emitting 4 tokens a step queues at most a step or two past its last
+    token, not groups sized for one token a step (which ran 8 or more steps past it)."""
+    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "engine",
+                                               **SPEC_CASES["eagle3-dynamic"](tmp_path, vocab_of(tiny_llama_dir))))
+    n = 120
+    ref = reference(plain, PROMPTS[0], n)
+    engine.proposer.net = OracleNet(engine.proposer.net, ref)
+    engine.run_ahead = 8
+    sizes, queue = [], engine._queue
+    engine._queue = lambda steps, *args: sizes.append(steps) or queue(steps, *args)
+    got = greedy(engine, PROMPTS[0], n)
+    ids = engine.tokenizer(PROMPTS[0]).input_ids
+    assert got.token_ids == ref[len(ids):] and got.stats.acceptance_length == 4
+    assert sum(sizes) - got.stats.steps <= 2, (sizes, got.stats.steps)
