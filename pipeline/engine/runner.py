@@ -37,7 +37,8 @@ from pipeline.engine.tree import DraftTree
 WARMUP_PROMPT_TOKENS = 8
 WARMUP_NEW_TOKENS = 8
 # Greedy steps queued between host reads on CUDA (plain, EAGLE and Medusa): streaming then arrives
-# in groups of this many steps, and a stop costs at most this many wasted steps.
+# in groups of this many steps, and an end id costs at most the steps of two groups (the one read and
+# the one queued behind it), discarded.
 RUN_AHEAD_STEPS = 8  # a few steps: the first step of each graph size compiles and captures it
 # The steps queued ahead of the host cover at most this share of those the request is still expected to
 # need (at the tokens a step has emitted so far), so that the queue shrinks toward the request's end
