@@ -132,6 +132,76 @@ def test_full_slot_context_matches_the_eager_step(tiny_llama_engine):
             torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
+def test_a_padded_prefill_replay_matches_the_eager_prefill(tiny_llama_engine):
+    """On CUDA a prompt runs padded to a power of two as one graph replay (GraphedTarget.prefill, here
+    run directly): the prompt's rows and the next decode step must be those of the eager prefill, so
+    the pads after the prompt (whose KV lands past it) change nothing the request reads."""
+    from pipeline.engine.graphs import GraphedTarget, prefill_bucket
+    from pipeline.engine.model import make_context
+
+    target = tiny_llama_engine.target
+    prompt = torch.tensor(tiny_llama_engine.tokenizer(PROMPTS[1]).input_ids)
+    n = prompt.shape[0]
+    bucket = prefill_bucket(n, 64)
+    assert bucket > n  # pads are there to leak
+    next_token, one = torch.tensor([[5]]), torch.ones(1, 1, dtype=torch.bool)
+    with torch.inference_mode():
+        cache = target.new_cache(64)
+        eager, _ = target(prompt[None], make_context(cache, target.rotary, 0, torch.arange(n), None))
+        after_eager, _ = target(next_token, make_context(cache, target.rotary, n, torch.tensor([n]), None))
+        graphed = GraphedTarget(target, target.new_cache(64), (), compile=False)
+        replayed, _ = graphed.prefill(prompt)
+        assert graphed.cache.k[:, :, n:bucket].abs().sum() > 0  # the pads' KV went past the prompt
+        after_replay = graphed.run(next_token[0], n, torch.tensor([n]), one)[0].clone()
+        reading_pads = graphed.run(next_token[0], bucket, torch.tensor([n]), one)[0]
+    torch.testing.assert_close(replayed, eager[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after_replay, after_eager[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(AssertionError):  # the check can fail: a step that read the pads would differ
+        torch.testing.assert_close(reading_pads, after_eager[0])
+
+
+def test_warm_up_reaches_every_prefill_bucket_a_request_can():
+    from pipeline.engine.config import EngineLimits
+    from pipeline.engine.graphs import prefill_bucket
+    from pipeline.engine.runner import WARMUP_NEW_TOKENS, warm_up_prompt_lengths
+
+    assert warm_up_prompt_lengths(EngineLimits(1, 512, 1024, 63), 256) == [16, 32, 64, 128, 256]  # longer: eager
+    assert warm_up_prompt_lengths(EngineLimits(1, 100, 1024, 63), 256) == [16, 32, 64, 100]  # 100 runs at 128
+    assert warm_up_prompt_lengths(EngineLimits(1, 16, 12, 0), 256) == [12 - WARMUP_NEW_TOKENS]
+    for limits in (EngineLimits(1, 100, 1024, 63), EngineLimits(1, 700, 740, 0)):
+        lengths = warm_up_prompt_lengths(limits, 256)
+        reachable = {prefill_bucket(n, 256) for n in range(1, limits.max_input_len + 1)} - {None}
+        assert {prefill_bucket(n, 256) for n in lengths} == reachable
+        assert all(n <= limits.max_input_len and n + WARMUP_NEW_TOKENS <= limits.max_seq_len for n in lengths)
+
+
+def test_eagle_prompt_pass_padded_to_its_bucket_drafts_the_same(tiny_llama_engine):
+    """On CUDA the EAGLE drafter's pass over the prompt runs padded to the prefill bucket (fixed shapes
+    for cuDNN's attention plans); the drafted tree must not change."""
+    from pipeline.engine.config import DynamicTreeConfig
+    from pipeline.engine.eagle import EagleNet, EagleProposer
+    from pipeline.engine.model import ModelConfig, make_context
+    from pipeline.engine.speculative import TargetPass
+
+    target = tiny_llama_engine.target
+    prompt = torch.tensor(tiny_llama_engine.tokenizer(PROMPTS[1]).input_ids)
+    n = prompt.shape[0]
+    torch.manual_seed(0)
+    net = EagleNet(ModelConfig(**{**vars(target.cfg), "num_layers": 1})).eval()
+    drafts = []
+    with torch.inference_mode():
+        hidden, _ = target(prompt[None], make_context(target.new_cache(64), target.rotary, 0, torch.arange(n), None))
+        for pad in (False, True):
+            proposer = EagleProposer(net, 64, None, DynamicTreeConfig(top_k=4, depth=3, max_non_leaves_per_layer=4), 10)
+            proposer.pad_prompt = pad
+            proposer.start(prompt, TargetPass(hidden[0], []), torch.tensor([5]))
+            proposer.root.fill_(5)
+            drafts.append([t.clone() for t in proposer._step()])
+    assert len(drafts[0]) == len(drafts[1]) > 0
+    for a, b in zip(*drafts):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_concurrent_plain_requests_are_batched_and_exact(tiny_llama_engine):
     """Requests that overlap run in one batch (joining and leaving between steps) and each gets the
     tokens it gets alone."""

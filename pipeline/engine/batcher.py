@@ -110,9 +110,9 @@ class Batcher:
 
     def _prefill(self, request: _Request) -> None:
         engine, row = self.engine, len(self.active)
-        cache = engine.batch_cache.rows(row, row + 1)
+        cache = engine.cache if row == 0 else engine.batch_cache.rows(row, row + 1)  # row 0 has graphs
         prompt = torch.tensor(request.prompt_ids, device=engine.device)
-        target = engine.forward(prompt, 0, torch.arange(len(prompt), device=engine.device), None, cache)
+        target = engine.prefill(prompt, cache)
         first = choose(engine.target.logits(target.hidden[-1:]), request.params, request.generator)
         request.length, request.last = len(prompt), int(first)
         self.active.append(request)

@@ -16,7 +16,8 @@ SPECPIPE_COMPILE=0 turns compilation off; a compiler failure falls back to the e
 
 The target keeps one graph per token count, captured on first use: decode steps are 1 token, a
 static tree always has the same size, EAGLE-2's dynamic tree always keeps max_draft_len nodes, and an
-n-gram or draft-model chain has at most k + 1. Prefills and trees over MAX_GRAPH_TOKENS run eagerly.
+n-gram or draft-model chain has at most k + 1. A prompt is padded to a power of two and replays as
+that many tokens under a causal mask. Prompts and trees over MAX_GRAPH_TOKENS run eagerly.
 Greedy verification has graphs of its own that also accept and compact the accepted path's KV: for a
 small target those ~40 small ops, launched one by one, cost more host time than the pass itself. An
 EAGLE drafter's step goes into the same graph, so a speculative step is one replay.
@@ -41,6 +42,28 @@ from pipeline.engine.tree import DraftTree
 from pipeline.errors import UserError
 
 MAX_GRAPH_TOKENS = 256  # trees up to 255 draft tokens (EAGLE-2 deep trees) still replay as graphs
+# Prompts up to MAX_GRAPH_TOKENS are padded to a power of two of at least this many tokens and replay
+# as one graph each. Run eagerly, a prefill of SmolLM2 cost the H200's host 36 ms (30 layers of
+# launches and Triton's Python launcher; 2.4 ms on the device), plus about 36 ms more for each new
+# prompt length (cuDNN attention plans a graph per shape): a quarter of a 256-token request.
+MIN_PREFILL_BUCKET = 16
+
+
+def prefill_bucket(num_tokens: int, limit: int) -> int | None:
+    """The padded length a prompt of num_tokens runs at (a power of two), None past `limit`."""
+    bucket = max(MIN_PREFILL_BUCKET, 1 << max(num_tokens - 1, 0).bit_length())
+    return bucket if bucket <= limit else None
+
+
+def prefill_buckets(limit: int) -> list[int]:
+    """Every padded prompt length up to `limit`."""
+    buckets, bucket = [], MIN_PREFILL_BUCKET
+    while bucket <= limit:
+        buckets.append(bucket)
+        bucket *= 2
+    return buckets
+
+
 # Eager runs before capture, on a side stream: they create cuBLAS handles and workspaces, which
 # capture may not do, compile the function, and settle the allocator so the graph's pool holds
 # only steady-state blocks.
@@ -146,6 +169,8 @@ class GraphedTarget:
         self.graphs: dict[int, CapturedStep] = {}
         self.trees: dict[tuple[int, int], tuple[DraftTree, CapturedStep]] = {}  # static inputs, replay
         self.drafted: CapturedStep | None = None
+        self.prefills: dict[int, tuple[_Inputs, CapturedStep]] = {}  # prompt bucket -> static inputs, replay
+        self.prefill_graphs = True
 
     def supports(self, num_tokens: int, prefix_len: int | torch.Tensor) -> bool:
         """Decode and verification steps (after a prefill: a device length always is) up to
@@ -171,6 +196,36 @@ class GraphedTarget:
         if t > 1:  # one token's mask is [[True]] whatever the caller passes, and was made so
             x.tree_mask.copy_(tree_mask)
         return self.graphs[t]()
+
+    def prefill(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """A prompt's pass from an empty cache as one replay: padded to its bucket (causal, so the pads
+        after the prompt change none of its rows; their KV lands in slots the decode overwrites before
+        any query reads them). Copies of (hidden [n, H], captured [n, H] each); None when the prompt
+        has no bucket or a capture failed (the caller runs it eagerly)."""
+        n = tokens.shape[0]
+        bucket = prefill_bucket(n, min(self.max_tokens, self.cache.num_slots))
+        if bucket is None or not self.prefill_graphs:
+            return None
+        if bucket not in self.prefills:
+            x = _Inputs(torch.zeros(bucket, dtype=torch.long, device=tokens.device), self.offsets[:bucket].clone(),
+                        torch.ones(bucket, bucket, dtype=torch.bool, device=tokens.device).tril())
+            # The eager forward, not the compiled one: a third token count recompiles that with the
+            # count symbolic, which took the H200 about 40 s an engine over the buckets, for a pass
+            # that runs once a request (captured, its launches cost no host time anyway).
+            self.prefills[bucket] = x, CapturedStep(lambda: self._forward(x.tokens, x.positions, x.tree_mask),
+                                                    self.pool, self.capture)
+        x, step = self.prefills[bucket]
+        self.length.fill_(0)
+        x.tokens.zero_()
+        x.tokens[:n].copy_(tokens)
+        try:
+            hidden, captured = step()
+        except RuntimeError as exc:  # a capture the device refuses must cost speed, never the request
+            print(f"specpipe: the {bucket}-token prefill graph failed ({str(exc)[:200]}); prompts run eagerly",
+                  file=sys.stderr)
+            self.prefill_graphs = False
+            return None
+        return hidden[:n].clone(), [c[:n].clone() for c in captured]
 
     def run_greedy_tree(self, tree: DraftTree, prefix_len: int | torch.Tensor
                         ) -> tuple[torch.Tensor, list[torch.Tensor], Acceptance]:

@@ -25,7 +25,7 @@ from pipeline.engine.acceptance import Acceptance, accept_greedy, accept_samplin
 from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
 from pipeline.engine.cpu_threads import on_own_thread
 from pipeline.engine.batcher import Batcher
-from pipeline.engine.graphs import Compiled, GraphedTarget
+from pipeline.engine.graphs import Compiled, GraphedTarget, prefill_bucket, prefill_buckets
 from pipeline.engine.model import KVCache, Transformer, full_slot_context, make_context
 from pipeline.engine.readback import Pending, Readback
 from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
@@ -34,7 +34,6 @@ from pipeline.engine.speculative import PlainProposer, Proposer, StepInput, Targ
 from pipeline.engine.stats import SpecStats
 from pipeline.engine.tree import DraftTree
 
-WARMUP_PROMPT_TOKENS = 8
 WARMUP_NEW_TOKENS = 8
 # Greedy steps queued between host reads on CUDA (plain, EAGLE and Medusa): streaming then arrives
 # in groups of this many steps, and an end id costs at most the steps of two groups (the one read and
@@ -49,6 +48,13 @@ RUN_AHEAD_STEPS = 8  # a few steps: the first step of each graph size compiles a
 QUEUE_SHARE = 0.5
 
 __all__ = ["Engine", "GenerationResult", "RequestError", "SamplingParams", "StreamChunk", "SpecStats"]
+
+def warm_up_prompt_lengths(limits: EngineLimits, max_graph_tokens: int) -> list[int]:
+    """One prompt length for each prefill bucket a request of these limits can reach."""
+    longest = max(1, min(limits.max_input_len, limits.max_seq_len - WARMUP_NEW_TOKENS))
+    top = prefill_bucket(longest, max_graph_tokens) or max_graph_tokens
+    return [min(bucket, longest) for bucket in prefill_buckets(top)]
+
 
 def prepare_kernels(module: torch.nn.Module) -> None:
     """Route a loaded network's products and attention to this device's kernels: oneDNN with
@@ -118,10 +124,12 @@ class Engine:
 
     def warm_up(self) -> None:
         """Compile and capture the decode and verification graphs now rather than inside the first
-        request (on CUDA that takes seconds to a minute; torch.compile's disk cache shortens later starts)."""
+        request (on CUDA that takes seconds to a minute; torch.compile's disk cache shortens later starts),
+        with one request a prompt bucket so that every prefill graph exists too."""
         if self.graphs is None:
             return
-        self.generate([0] * WARMUP_PROMPT_TOKENS, SamplingParams(max_tokens=WARMUP_NEW_TOKENS, end_id=-1))
+        for n in warm_up_prompt_lengths(self.limits, self.graphs.max_tokens):
+            self.generate([0] * n, SamplingParams(max_tokens=WARMUP_NEW_TOKENS, end_id=-1))
 
     # ------------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -188,7 +196,7 @@ class Engine:
         out: list[int] = []
 
         prompt = torch.tensor(prompt_ids, device=self.device)
-        target = self.forward(prompt, 0, torch.arange(len(prompt_ids), device=self.device), None)
+        target = self.prefill(prompt)
         root = choose(self.target.logits(target.hidden[-1:]), params, generator)
         self.proposer.start(prompt, target, root)
         length = len(prompt_ids)
@@ -264,6 +272,16 @@ class Engine:
         if tree.num_nodes > 1:
             self.cache.move(length + acc.path, length + self.slot_offsets[:tree.max_depth + 1])
         return tree, acc, target
+
+    def prefill(self, prompt: torch.Tensor, cache: KVCache | None = None) -> TargetPass:
+        """The target over a prompt from an empty cache (row 0 unless `cache` is another row): a
+        graph replay when row 0's graphs have a bucket for it, else eager."""
+        cache = self.cache if cache is None else cache
+        if cache is self.cache and self.graphs is not None:
+            replayed = self.graphs.prefill(prompt)
+            if replayed is not None:
+                return TargetPass(*replayed)
+        return self.forward(prompt, 0, torch.arange(prompt.shape[0], device=self.device), None, cache)
 
     def forward(self, tokens: torch.Tensor, prefix_len: int | torch.Tensor, positions: torch.Tensor,
                 tree_mask: torch.Tensor | None, cache: KVCache | None = None) -> TargetPass:
