@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from pipeline.bench.prompts import load_prompts
 from pipeline.bench.speed import SEED, device_tag, environment, save_json, sync
+from pipeline.client.verify import first_divergence
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import RequestError, SamplingParams
 from pipeline.errors import USER_ERROR_EXIT_CODE, UserError
@@ -120,7 +121,8 @@ def compare(in_process: Run, served: Run) -> dict[str, Any]:
     overhead = [(s - b) * 1e3 for s, b in zip(served.seconds, in_process.seconds)]
     out.update({"ratio_vs_in_process": ratio, "median_overhead_ms": statistics.median(overhead),
                 "ids_identical": served.outputs == in_process.outputs,
-                "within_bar": ratio >= 1.0 - MAX_SLOWDOWN})
+                "first_divergence": [first_divergence(a, b) for a, b in zip(in_process.outputs, served.outputs)],
+                "within_bar": ratio >= 1.0 - MAX_SLOWDOWN, "outputs": served.outputs})
     return out
 
 
@@ -158,6 +160,8 @@ def format_table(results: dict[str, Any]) -> str:
     for mode, r in results["triton"].items():
         lines.append(f"{'triton ' + mode:<20}{r['tokens']:>8}{r['tokens_per_s']:>10.1f}{r['ratio_vs_in_process']:>11.3f}"
                      f"{r['median_overhead_ms']:>13.1f}{str(r['ids_identical']):>10}")
+        if not r["ids_identical"]:
+            lines.append(f"{'':<20}first differing token per prompt: {r['first_divergence']}")
     ok = all(r["within_bar"] and r["ids_identical"] for r in results["triton"].values())
     lines.append(f"through Triton at most {MAX_SLOWDOWN:.0%} below in-process, same ids: {'yes' if ok else 'NO'}")
     return "\n".join(lines)
