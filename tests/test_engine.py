@@ -160,6 +160,28 @@ def test_a_padded_prefill_replay_matches_the_eager_prefill(tiny_llama_engine):
         torch.testing.assert_close(reading_pads, after_eager[0])
 
 
+def test_a_refused_prompt_graph_falls_back_to_the_eager_pass(tiny_llama_engine, monkeypatch, capsys):
+    """The engine with CUDA's graph objects run directly: the same tokens through the padded prompt
+    replay, and after a capture the device refuses, through the eager pass (with one line on stderr)."""
+    from pipeline.engine.graphs import GraphedTarget
+
+    engine = tiny_llama_engine
+    ids = engine.tokenizer(PROMPTS[1]).input_ids
+    params = SamplingParams(max_tokens=12, end_id=-1)
+    expected = engine.generate(ids, params).token_ids
+    graphed = GraphedTarget(engine.target, engine.cache, (), compile=False)
+    monkeypatch.setattr(engine, "graphs", graphed)
+    assert engine.generate(ids, params).token_ids == expected and len(graphed.prefills) == 1
+
+    def refused():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    bucket, (inputs, _) = next(iter(graphed.prefills.items()))
+    graphed.prefills[bucket] = inputs, refused
+    assert engine.generate(ids, params).token_ids == expected
+    assert not graphed.prefill_graphs and "prefill graph failed" in capsys.readouterr().err
+
+
 def test_warm_up_reaches_every_prefill_bucket_a_request_can():
     from pipeline.engine.config import EngineLimits
     from pipeline.engine.graphs import prefill_bucket
