@@ -42,6 +42,8 @@ def test_smollm2_suite_matches_plain_for_every_method(tmp_path, interleave):
         assert r["exact_match_rate"] == 1.0, name  # greedy speculation and the HF peers: the same 8 tokens
     assert methods["eagle3-deep"]["acceptance_length"] >= 1.0
     assert methods["eagle3-deep"]["profile"]["tokens"] == 4
+    timed = methods["eagle3-deep"]["request_s"]  # per prompt, so that runs compare on the same prompts
+    assert len(timed) == 2 and min(timed) > 0 and sum(timed) == pytest.approx(methods["eagle3-deep"]["seconds"])
 
 
 def test_unknown_method_is_one_clear_error():

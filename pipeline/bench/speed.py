@@ -392,7 +392,7 @@ def run_group(names: list[str], engine_dirs: dict[str, Path], prompts: list[list
         result = engines[name].generate(ids, params)
         sync(device)
         run = runs[name]
-        run["seconds"] += time.perf_counter() - start
+        run["request_s"].append(time.perf_counter() - start)
         run["outputs"].append(result.token_ids)
         run["stats"].append(result.stats)
 
@@ -400,9 +400,9 @@ def run_group(names: list[str], engine_dirs: dict[str, Path], prompts: list[list
         engine = attempt(name, lambda: warmed(name))
         if engine is not None:
             engines[name] = engine
-            runs[name] = {"outputs": [], "stats": [], "seconds": 0.0}
+            runs[name] = {"outputs": [], "stats": [], "request_s": []}
     for i, ids in enumerate(tqdm(prompts, desc=" + ".join(names), unit="prompt")):
-        if cfg.budget_s and sum(r["seconds"] for r in runs.values()) > cfg.budget_s * len(runs):
+        if cfg.budget_s and sum(sum(r["request_s"]) for r in runs.values()) > cfg.budget_s * len(runs):
             break
         for name in list(engines) if i % 2 == 0 else list(engines)[::-1]:
             attempt(name, lambda: timed(name, ids))
@@ -415,12 +415,13 @@ def run_group(names: list[str], engine_dirs: dict[str, Path], prompts: list[list
         profile = profile_request(engine, prompts[0], cfg.profile_tokens) if cfg.profile_tokens else None
         del engine
         total = SpecStats.total(run["stats"])
-        tokens = sum(len(o) for o in run["outputs"])
+        tokens, seconds = sum(len(o) for o in run["outputs"]), sum(run["request_s"])
         results[name] = {
             "method": name, "spec_mode": METHODS[name].draft or METHODS[name].build.get("speculative", "none"),
             "build": METHODS[name].build, "convert": METHODS[name].convert, "prompts": len(run["outputs"]),
             "interleaved_with": [n for n in names if n != name and n not in failed],
-            "tokens": tokens, "seconds": run["seconds"], "tokens_per_s": tokens / run["seconds"],
+            "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "request_s": run["request_s"],  # per prompt, in order: runs compare on the prompts both ran
             "acceptance_length": total.acceptance_length, "per_depth_acceptance": total.per_depth_acceptance,
             "draft_tokens_per_step": total.draft_tokens / total.steps if total.steps else 0.0,
             "outputs": run["outputs"], **({"profile": profile} if profile else {})}
