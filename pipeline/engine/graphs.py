@@ -210,7 +210,7 @@ class GraphedTarget:
             x = _Inputs(torch.zeros(bucket, dtype=torch.long, device=tokens.device), self.offsets[:bucket].clone(),
                         torch.ones(bucket, bucket, dtype=torch.bool, device=tokens.device).tril())
             # The eager forward, not the compiled one: a third token count recompiles that with the
-            # count symbolic, which took the H200 about 40 s an engine over the buckets, for a pass
+            # count symbolic, which took the H200 about 35 s an engine over the buckets, for a pass
             # that runs once a request (captured, its launches cost no host time anyway).
             self.prefills[bucket] = x, CapturedStep(lambda: self._forward(x.tokens, x.positions, x.tree_mask),
                                                     self.pool, self.capture)
