@@ -49,6 +49,7 @@ QUEUE_SHARE = 0.5
 
 __all__ = ["Engine", "GenerationResult", "RequestError", "SamplingParams", "StreamChunk", "SpecStats"]
 
+
 def warm_up_prompt_lengths(limits: EngineLimits, max_graph_tokens: int) -> list[int]:
     """One prompt length for each prefill bucket a request of these limits can reach."""
     longest = max(1, min(limits.max_input_len, limits.max_seq_len - WARMUP_NEW_TOKENS))
