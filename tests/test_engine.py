@@ -188,6 +188,7 @@ def test_warm_up_reaches_every_prefill_bucket_a_request_can():
     from pipeline.engine.runner import WARMUP_NEW_TOKENS, warm_up_prompt_lengths
 
     assert warm_up_prompt_lengths(EngineLimits(1, 512, 1024, 63), 256) == [16, 32, 64, 128, 256]  # longer: eager
+    assert warm_up_prompt_lengths(EngineLimits(1, 768, 1024, 63)) == [16, 32, 64, 128, 256, 512]  # the default limit
     assert warm_up_prompt_lengths(EngineLimits(1, 100, 1024, 63), 256) == [16, 32, 64, 100]  # 100 runs at 128
     assert warm_up_prompt_lengths(EngineLimits(1, 16, 12, 0), 256) == [12 - WARMUP_NEW_TOKENS]
     for limits in (EngineLimits(1, 100, 1024, 63), EngineLimits(1, 700, 740, 0)):

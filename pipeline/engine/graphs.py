@@ -17,7 +17,8 @@ SPECPIPE_COMPILE=0 turns compilation off; a compiler failure falls back to the e
 The target keeps one graph per token count, captured on first use: decode steps are 1 token, a
 static tree always has the same size, EAGLE-2's dynamic tree always keeps max_draft_len nodes, and an
 n-gram or draft-model chain has at most k + 1. A prompt is padded to a power of two and replays as
-that many tokens under a causal mask. Prompts and trees over MAX_GRAPH_TOKENS run eagerly.
+that many tokens under a causal mask. Trees over MAX_GRAPH_TOKENS and prompts over
+MAX_PREFILL_TOKENS run eagerly.
 Greedy verification has graphs of its own that also accept and compact the accepted path's KV: for a
 small target those ~40 small ops, launched one by one, cost more host time than the pass itself. An
 EAGLE drafter's step goes into the same graph, so a speculative step is one replay.
@@ -42,11 +43,13 @@ from pipeline.engine.tree import DraftTree
 from pipeline.errors import UserError
 
 MAX_GRAPH_TOKENS = 256  # trees up to 255 draft tokens (EAGLE-2 deep trees) still replay as graphs
-# Prompts up to MAX_GRAPH_TOKENS are padded to a power of two of at least this many tokens and replay
+# Prompts up to MAX_PREFILL_TOKENS are padded to a power of two of at least this many tokens and replay
 # as one graph each. Run eagerly, a prefill of SmolLM2 cost the H200's host 36 ms (30 layers of
 # launches and Triton's Python launcher; 2.4 ms on the device), plus about 36 ms more for each new
 # prompt length (cuDNN attention plans a graph per shape): a quarter of a 256-token request.
 MIN_PREFILL_BUCKET = 16
+# Past the widest tree: 4 of MT-bench's 80 first turns have 286-402 tokens with SmolLM2's chat template.
+MAX_PREFILL_TOKENS = 512
 
 
 def prefill_bucket(num_tokens: int, limit: int) -> int | None:
@@ -158,7 +161,7 @@ class GraphedTarget:
         device = cache.k.device
         self.length = torch.zeros((), dtype=torch.long, device=device)  # the prefix the new tokens follow
         self.slot_ids = torch.arange(cache.num_slots, device=device)
-        self.offsets = torch.arange(max_tokens, device=device)
+        self.offsets = torch.arange(max(max_tokens, MAX_PREFILL_TOKENS), device=device)
         self.capture = device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         # One compiled function for every token count: after the second count it recompiles once
@@ -203,7 +206,7 @@ class GraphedTarget:
         any query reads them). Copies of (hidden [n, H], captured [n, H] each); None when the prompt
         has no bucket or a capture failed (the caller runs it eagerly)."""
         n = tokens.shape[0]
-        bucket = prefill_bucket(n, min(self.max_tokens, self.cache.num_slots))
+        bucket = prefill_bucket(n, min(MAX_PREFILL_TOKENS, self.cache.num_slots))
         if bucket is None or not self.prefill_graphs:
             return None
         if bucket not in self.prefills:

@@ -25,7 +25,7 @@ from pipeline.engine.acceptance import Acceptance, accept_greedy, accept_samplin
 from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
 from pipeline.engine.cpu_threads import on_own_thread
 from pipeline.engine.batcher import Batcher
-from pipeline.engine.graphs import Compiled, GraphedTarget, prefill_bucket, prefill_buckets
+from pipeline.engine.graphs import MAX_PREFILL_TOKENS, Compiled, GraphedTarget, prefill_bucket, prefill_buckets
 from pipeline.engine.model import KVCache, Transformer, full_slot_context, make_context
 from pipeline.engine.readback import Pending, Readback
 from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
@@ -50,10 +50,10 @@ QUEUE_SHARE = 0.5
 __all__ = ["Engine", "GenerationResult", "RequestError", "SamplingParams", "StreamChunk", "SpecStats"]
 
 
-def warm_up_prompt_lengths(limits: EngineLimits, max_graph_tokens: int) -> list[int]:
+def warm_up_prompt_lengths(limits: EngineLimits, max_prefill_tokens: int = MAX_PREFILL_TOKENS) -> list[int]:
     """One prompt length for each prefill bucket a request of these limits can reach."""
     longest = max(1, min(limits.max_input_len, limits.max_seq_len - WARMUP_NEW_TOKENS))
-    top = prefill_bucket(longest, max_graph_tokens) or max_graph_tokens
+    top = prefill_bucket(longest, max_prefill_tokens) or max_prefill_tokens
     return [min(bucket, longest) for bucket in prefill_buckets(top)]
 
 
@@ -129,7 +129,7 @@ class Engine:
         with one request a prompt bucket so that every prefill graph exists too."""
         if self.graphs is None:
             return
-        for n in warm_up_prompt_lengths(self.limits, self.graphs.max_tokens):
+        for n in warm_up_prompt_lengths(self.limits):
             self.generate([0] * n, SamplingParams(max_tokens=WARMUP_NEW_TOKENS, end_id=-1))
 
     # ------------------------------------------------------------------------------------------
