@@ -171,7 +171,7 @@ class GraphedTarget:
         self.inputs: dict[int, _Inputs] = {}
         self.graphs: dict[int, CapturedStep] = {}
         self.trees: dict[tuple[int, int], tuple[DraftTree, CapturedStep]] = {}  # static inputs, replay
-        self.drafted: CapturedStep | None = None
+        self.drafted: tuple[Callable[[], DraftTree], CapturedStep] | None = None  # the draft it captured
         self.prefills: dict[int, tuple[_Inputs, CapturedStep]] = {}  # prompt bucket -> static inputs, replay
         self.prefill_graphs = True
 
@@ -253,10 +253,10 @@ class GraphedTarget:
         """run_greedy_tree with the drafting in the same replay: `draft` lays out the tree from the
         proposer's own static buffers (the same each call; the graph captures its first). It must be
         idempotent, as verification is: the capture runs the whole step twice first."""
-        if self.drafted is None:
-            self.drafted = CapturedStep(lambda: self._draft_verify_and_compact(draft), self.pool, self.capture)
+        if self.drafted is None or self.drafted[0] != draft:  # a new proposer drafts from buffers of its own
+            self.drafted = draft, CapturedStep(lambda: self._draft_verify_and_compact(draft), self.pool, self.capture)
         self.length.fill_(prefix_len)
-        tree, (hidden, captured, path, num_accepted, tokens) = self.drafted()
+        tree, (hidden, captured, path, num_accepted, tokens) = self.drafted[1]()
         return tree, hidden, captured, Acceptance(path, num_accepted, tokens)
 
     def _draft_verify_and_compact(self, draft: Callable[[], DraftTree]) -> tuple[DraftTree, tuple[Any, ...]]:
