@@ -315,9 +315,9 @@ METHODS: dict[str, Method] = {
     "eagle3-xl": Method("eagle3", "smollm2-eagle3",
                         {"dynamic_tree": True, "dynamic_depth": 12, "dynamic_top_k": 10, "max_draft_len": 255},
                         {"max_draft_len": 255}),
-    # Smaller trees (the number: draft tokens). On the H200 a 64-node tree's pass cost SmolLM2 about 1.8
-    # single-token steps of device time (1.29 against 0.72 ms, session n), not the 8B shape's 1.2: at
-    # 135M fewer nodes may pay despite the lower acceptance, which these rows measure.
+    # Smaller trees (the number: draft tokens). A Medusa step of SmolLM2 took 1.8 single-token steps of
+    # device time on the H200, not the 8B shape's 1.2, so fewer nodes might pay. They did not (session n,
+    # BENCHMARKS.md §2): 16 draft tokens saved 7 % of the step's device time and lost 12 % of the acceptance.
     "medusa-top16": Method("medusa", "smollm2-medusa", {"choices": "top16"}),
     "medusa-top32": Method("medusa", "smollm2-medusa", {"choices": "top32"}),
     "eagle-dynamic-16": Method("eagle", "smollm2-eagle", {"dynamic_tree": True, "max_draft_len": 16}),
