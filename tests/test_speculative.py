@@ -92,7 +92,7 @@ def test_draft_model_oracle_accepts_every_token(tiny_llama_dir, plain, tmp_path)
 
 class OracleMedusa(MedusaProposer):
     def __init__(self, base: MedusaProposer, ref: list[int]):
-        super().__init__(base.heads, base.tree)
+        super().__init__(base.heads, base.tree, base.lm_head)
         self.ref = ref
 
     def prepare(self, step: StepInput) -> None:
@@ -102,7 +102,7 @@ class OracleMedusa(MedusaProposer):
     def guesses(self) -> torch.Tensor:
         depth = len(self.heads)
         right = torch.tensor([self.ref[self.length + d] for d in range(1, depth + 1)])
-        wrong = (right[:, None] + torch.arange(1, self.top_k)) % self.heads[0].lm_head.out_features  # distinct from the right token
+        wrong = (right[:, None] + torch.arange(1, self.top_k)) % self.vocab_size  # distinct from the right token
         return torch.cat([right[:, None], wrong], dim=1)
 
 
@@ -133,6 +133,30 @@ class OracleNet(nn.Module):
 def reference(plain: Engine, text: str, max_tokens: int) -> list[int]:
     ids = plain.tokenizer(text).input_ids
     return ids + greedy(plain, text, max_tokens).token_ids
+
+
+def test_medusa_heads_share_the_targets_lm_head(tiny_llama_dir, tmp_path):
+    """Heads whose LM heads are the target's (filled at conversion) run it once for all depths, and
+    guess what separate copies would; heads with LM heads of their own keep them."""
+    from pipeline.engine.model import Linear
+
+    vocab = vocab_of(tiny_llama_dir)
+    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "a", medusa=make_random_medusa(
+        tmp_path / "m", HIDDEN, vocab, with_lm_head=False)))
+    shared = engine.proposer
+    assert shared.lm_head is engine.target.lm_head and all(h.lm_head is None for h in shared.heads)
+    for head in shared.heads:  # a copy of the target's each, as the checkpoint holds them
+        head.lm_head = Linear(HIDDEN, vocab, bias=False)
+        head.lm_head.weight.data.copy_(engine.target.lm_head.weight)
+    separate = MedusaProposer(shared.heads, shared.tree)
+    for seed in range(3):
+        hidden = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(seed))
+        shared.hidden.copy_(hidden)
+        separate.hidden.copy_(hidden)
+        assert torch.equal(shared.guesses(), separate.guesses())
+    own = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "b", medusa=make_random_medusa(
+        tmp_path / "m2", HIDDEN, vocab)))
+    assert own.proposer.lm_head is None and all(h.lm_head is not None for h in own.proposer.heads)
 
 
 def test_medusa_oracle_accepts_full_depth(tiny_llama_dir, plain, tmp_path):

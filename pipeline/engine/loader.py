@@ -68,7 +68,15 @@ def make_proposer(engine: EngineDir, config: dict, tensors: dict[str, torch.Tens
         heads = medusa_heads(config["num_medusa_heads"], config.get("num_medusa_layers", 1), target.cfg.hidden_size,
                              target.cfg.vocab_size, config.get("hidden_act", "silu"))
         load_into(heads, engine_state_dict(tensors, "medusa_heads.", ""), f"{engine.path} medusa heads")
-        return MedusaProposer(_ready(heads, device, dtype), build_tree(spec.choices).to(device))
+        # Heads trained on the frozen LM head carry copies of the target's (the checkpoint format wants one
+        # a head): equal in the engine's dtype, they share the target's module and its one product a step.
+        target_head = target.lm_head.weight
+        shared = all(torch.equal(h.lm_head.weight.to(target_head), target_head) for h in heads)
+        if shared:
+            for head in heads:
+                head.lm_head = None
+        return MedusaProposer(_ready(heads, device, dtype), build_tree(spec.choices).to(device),
+                              target.lm_head if shared else None)
     if spec.mode == "eagle":
         net = EagleNet(model_config(config["eagle_net_config"], tensors, max_positions(engine)),
                        fc_bias="eagle_nets.0.drafter.fc.bias" in tensors)

@@ -30,12 +30,16 @@ class MedusaHead(nn.Module):
     def __init__(self, hidden: int, vocab: int, num_layers: int, act: str):
         super().__init__()
         self.medusa_layers = nn.ModuleList(ResBlock(hidden, act) for _ in range(num_layers))
-        self.lm_head = Linear(hidden, vocab, bias=False)
+        self.lm_head: Linear | None = Linear(hidden, vocab, bias=False)  # None: the target's (MedusaProposer)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head's input."""
         for block in self.medusa_layers:
             x = block(x)
-        return self.lm_head(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.features(x))
 
 
 def medusa_heads(num_heads: int, num_layers: int, hidden: int, vocab: int, act: str) -> nn.ModuleList:
@@ -51,13 +55,18 @@ class MedusaProposer:
     # more than the device spends on them (SmolLM2: 2.14 ms a step against 1.29 ms busy).
     drafts_from_buffers = True
 
-    def __init__(self, heads: nn.ModuleList, tree: TreeBuffers):
+    def __init__(self, heads: nn.ModuleList, tree: TreeBuffers, lm_head: Linear | None = None):
+        """lm_head: one LM head for every head (the target's, when the heads' copies equal it), so that a
+        step reads it once for all depths instead of once a head: on the CPU four float32 copies of
+        SmolLM2's (113 MB each) cost as much memory traffic as the target's whole step."""
         self.heads = heads[:tree.max_depth]  # deeper heads have no node to fill
+        self.lm_head = lm_head
         self.tree = tree
         self.top_k = int(tree.ranks.max()) + 1
         self.node_head = (tree.depths - 1).clamp(min=0)
         self.max_nodes = tree.num_nodes
-        weight = self.heads[0].lm_head.weight
+        weight = (lm_head or self.heads[0].lm_head).weight
+        self.vocab_size = weight.shape[0]
         self.hidden = weight.new_zeros(1, weight.shape[1])  # [1, H] hidden state of the last accepted token
         self.root = torch.zeros(1, dtype=torch.long, device=weight.device)
 
@@ -66,7 +75,10 @@ class MedusaProposer:
 
     def guesses(self) -> torch.Tensor:
         """[depth, top_k] token ids: head d's best guesses for the token d+1 places after the root."""
-        logits = torch.stack([head(self.hidden)[0] for head in self.heads])
+        if self.lm_head is not None:
+            logits = self.lm_head(torch.cat([head.features(self.hidden) for head in self.heads]))
+        else:
+            logits = torch.cat([head(self.hidden) for head in self.heads])
         return logits.topk(self.top_k, dim=-1).indices
 
     def propose(self, step: StepInput) -> DraftTree:
