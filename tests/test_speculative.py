@@ -159,6 +159,19 @@ def test_medusa_heads_share_the_targets_lm_head(tiny_llama_dir, tmp_path):
     assert own.proposer.lm_head is None and all(h.lm_head is not None for h in own.proposer.heads)
 
 
+def test_a_new_proposer_gets_a_graph_step_of_its_own(tiny_llama_dir, plain, tmp_path):
+    """The greedy step objects capture a proposer's draft with its buffers: after a swap, replaying the
+    old capture would draft from the old proposer's buffers (wrong roots, wrong tokens)."""
+    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path, medusa=make_random_medusa(
+        tmp_path / "m", HIDDEN, vocab_of(tiny_llama_dir), with_lm_head=False)))
+    engine.graphs = GraphedTarget(engine.target, engine.cache, engine.proposer.capture_layers, compile=False)
+    free = greedy(plain, PROMPTS[0], 24).token_ids
+    assert greedy(engine, PROMPTS[0], 24).token_ids == free  # the random heads' step, captured
+    engine.proposer = OracleMedusa(engine.proposer, reference(plain, PROMPTS[0], 40))
+    got = greedy(engine, PROMPTS[0], 24)
+    assert got.token_ids == free and got.stats.acceptance_length > 2
+
+
 def test_medusa_oracle_accepts_full_depth(tiny_llama_dir, plain, tmp_path):
     engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path, medusa=make_random_medusa(tmp_path / "m", HIDDEN, vocab_of(tiny_llama_dir))))
     n, depth = 30, engine.proposer.tree.max_depth

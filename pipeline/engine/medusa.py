@@ -52,13 +52,14 @@ class MedusaProposer:
     runs_ahead = True
     # The heads read only static buffers, so on CUDA a greedy step (heads, verification, compaction)
     # is one graph replay: launched one by one, the heads' ~20 small kernels cost the H200's host
-    # more than the device spends on them (SmolLM2: 2.14 ms a step against 1.29 ms busy).
+    # more than the device spends on them (SmolLM2 on the H200: 2.14 ms a step against 1.29 ms busy; in
+    # one replay 1.32 ms).
     drafts_from_buffers = True
 
     def __init__(self, heads: nn.ModuleList, tree: TreeBuffers, lm_head: Linear | None = None):
         """lm_head: one LM head for every head (the target's, when the heads' copies equal it), so that a
         step reads it once for all depths instead of once a head: on the CPU four float32 copies of
-        SmolLM2's (113 MB each) cost as much memory traffic as the target's whole step."""
+        SmolLM2's are 453 MB of reads a step beside the target's 540 (Medusa 10.6 -> 11.5 tok/s)."""
         self.heads = heads[:tree.max_depth]  # deeper heads have no node to fill
         self.lm_head = lm_head
         self.tree = tree
