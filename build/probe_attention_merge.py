@@ -45,39 +45,16 @@ def _attention_split_merge_kernel(q_ptr, k_ptr, v_ptr, length_ptr, count_ptr, m_
                                   num_slots, sm_scale, stride_slot, stride_head, num_splits, span,
                                   GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD: tl.constexpr,
                                   CHUNK: tl.constexpr, MERGE: tl.constexpr):
-    """_attention_split_kernel for one token (no region), then the split that takes the last ticket of
-    its kv head merges the group's partials and resets the counter for the next call."""
-    kv_head, split = tl.program_id(0), tl.program_id(1)
+    """fused_kernels._attention_split for one token (no region), then the split that takes the last ticket
+    of its kv head merges the group's partials and resets the counter for the next call."""
+    fused_kernels._attention_split(q_ptr, k_ptr, v_ptr, length_ptr, k_ptr, m_ptr, l_ptr, o_ptr, num_slots, 1, sm_scale,
+                                   stride_slot, stride_head, num_splits, span, GROUP, GROUP_ROWS, HEAD, CHUNK, False)
+    kv_head = tl.program_id(0)
     group = tl.arange(0, GROUP_ROWS)
     dims = tl.arange(0, HEAD)
     heads = kv_head * GROUP + group
     live = group < GROUP
-    q = tl.load(q_ptr + heads[:, None] * HEAD + dims[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    length = tl.load(length_ptr)
-    bound = tl.minimum(length + 1, num_slots)
-    start = split * span
-    stop = tl.minimum(start + span, bound)
-    peak = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
-    total = tl.zeros((GROUP_ROWS,), tl.float32)
-    acc = tl.zeros((GROUP_ROWS, HEAD), tl.float32)
-    for c0 in range(start, stop, CHUNK):
-        slots = c0 + tl.arange(0, CHUNK)
-        visible = slots < stop
-        offsets = slots[:, None] * stride_slot + kv_head * stride_head + dims[None, :]
-        keys = tl.load(k_ptr + offsets, mask=visible[:, None], other=0.0).to(tl.float32)
-        values = tl.load(v_ptr + offsets, mask=visible[:, None], other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * sm_scale
-        scores = tl.where(visible[None, :], scores, float("-inf"))
-        top = tl.maximum(peak, tl.max(scores, axis=1))
-        rescale = tl.exp(peak - top)
-        p = tl.exp(scores - top[:, None])
-        total = total * rescale + tl.sum(p, axis=1)
-        acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
-        peak = top
-    rows = heads * num_splits + split
-    tl.store(m_ptr + rows, peak, mask=live)
-    tl.store(l_ptr + rows, total, mask=live)
-    tl.store(o_ptr + rows[:, None] * HEAD + dims[None, :], acc, mask=live[:, None])
+    bound = tl.minimum(tl.load(length_ptr) + 1, num_slots)
     # Release: the partials above are visible to whoever takes the last ticket (acquire).
     ticket = tl.atomic_add(count_ptr + kv_head, 1, sem="acq_rel")
     if ticket == num_splits - 1:

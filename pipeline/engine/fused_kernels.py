@@ -304,7 +304,16 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_
                             sm_scale, stride_slot, stride_head, num_splits, span,
                             GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD: tl.constexpr,
                             CHUNK: tl.constexpr, REGION: tl.constexpr):
-    """One token's query group of one kv head over one span of cache slots, CHUNK slots at a time
+    _attention_split(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_ptr, num_slots, region, sm_scale,
+                     stride_slot, stride_head, num_splits, span, GROUP, GROUP_ROWS, HEAD, CHUNK, REGION)
+
+
+@triton.jit
+def _attention_split(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_ptr, num_slots, region,
+                     sm_scale, stride_slot, stride_head, num_splits, span,
+                     GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD: tl.constexpr,
+                     CHUNK: tl.constexpr, REGION: tl.constexpr):
+    """Program (kv head, split): one token's query group of one kv head over one span of cache slots, CHUNK slots at a time
     with a running softmax: the span's max, sum and unnormalised output per query head
     (flash-decoding's first half).
 
