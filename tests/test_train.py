@@ -262,3 +262,32 @@ def test_run_flags_are_validated(flags, tmp_path, capsys):
     argv = ["run", "--prompts", str(tmp_path), "--output", str(tmp_path / "out"), "--device", "cpu", *flags]
     assert train_draft_main(argv) == USER_ERROR_EXIT_CODE
     assert "error:" in capsys.readouterr().err
+
+
+def test_medusa_loss_is_each_heads_cross_entropy_to_the_target_later():
+    """The shared teacher softmax gives what each head's own definition gives: head h at position p learns
+    the target's distribution at p + 1 + h, over positions whose teacher predicts a continuation token."""
+    from pipeline.train.medusa import HEAD_DECAY, build_heads, medusa_loss
+
+    torch.manual_seed(2)
+    heads = build_heads(HIDDEN, 3, 1)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    frozen = FrozenHead(torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN))
+    lengths, prompt_lens = [14, 9], [5, 3]
+    tokens = torch.randint(2, VOCAB, (2, 14))
+    batch = DistillSet(tokens, torch.tensor(lengths), torch.tensor(prompt_lens))
+    batch.features = torch.randn(2, 14, HIDDEN)
+    want, norm = 0.0, 0.0
+    for h, head in enumerate(heads):
+        terms = []
+        for row in range(2):
+            for pos in range(lengths[row]):
+                teacher_pos = pos + 1 + h
+                if prompt_lens[row] - 1 <= teacher_pos < lengths[row]:
+                    q = torch.log_softmax(frozen.logits(head(batch.features[row, pos])), -1)
+                    p = torch.softmax(frozen.logits(batch.features[row, teacher_pos]), -1)
+                    terms.append(-(p * q).sum())
+        want += HEAD_DECAY ** h * torch.stack(terms).mean()
+        norm += HEAD_DECAY ** h
+    assert torch.allclose(medusa_loss(heads, frozen, batch), want / norm, atol=1e-5)

@@ -8,8 +8,12 @@ import torch.nn.functional as F
 
 def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """Mean over rows of -sum p_teacher log q_student (KL to the teacher plus a constant)."""
-    teacher = torch.softmax(teacher_logits.float(), dim=-1)
-    return -(teacher * F.log_softmax(student_logits.float(), dim=-1)).sum(-1).mean()
+    return cross_entropy_to(student_logits, torch.softmax(teacher_logits.float(), dim=-1))
+
+
+def cross_entropy_to(student_logits: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
+    """soft_cross_entropy for a teacher distribution already computed, so several students can share one."""
+    return -(teacher_probs * F.log_softmax(student_logits.float(), dim=-1)).sum(-1).mean()
 
 
 def feature_regression(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

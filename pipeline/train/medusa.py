@@ -17,7 +17,7 @@ from torch import nn
 
 from pipeline.train.distill import DistillSet, teacher_mask
 from pipeline.train.eval import depth_valid
-from pipeline.train.losses import soft_cross_entropy, step_weights
+from pipeline.train.losses import cross_entropy_to, step_weights
 from pipeline.train.target import FrozenHead
 
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
@@ -40,14 +40,18 @@ def build_heads(hidden: int, num_heads: int, num_layers: int) -> nn.ModuleList:
 
 
 def medusa_loss(heads: nn.ModuleList, frozen: FrozenHead, batch: DistillSet) -> torch.Tensor:
+    """Every head's teacher is the target's distribution at some position of its continuation, so one
+    softmax over those positions serves all heads: 6 LM-head products a batch instead of 10 (5 heads)."""
     weights = step_weights(len(heads), HEAD_DECAY)
+    taught = teacher_mask(batch, 0)  # positions whose distribution some head learns
+    row_of = torch.cumsum(taught.flatten(), 0).view_as(taught) - 1  # position -> row of `teacher`
+    teacher = torch.softmax(frozen.logits(batch.features[taught]).float(), dim=-1)
     total = torch.zeros((), device=batch.features.device)
     for h, head in enumerate(heads):
         shift = 1 + h
         mask = teacher_mask(batch, shift)[:, : batch.features.shape[1] - shift]
         student = frozen.logits(head(batch.features[:, :-shift][mask]))
-        teacher = frozen.logits(batch.features[:, shift:][mask])
-        total = total + weights[h] * soft_cross_entropy(student, teacher)
+        total = total + weights[h] * cross_entropy_to(student, teacher[row_of[:, shift:][mask]])
     return total / sum(weights)
 
 
