@@ -32,9 +32,9 @@ from pipeline.train.target import default_gguf, load_target  # noqa: E402
 # Per-method (learning rate, sequences per batch) for the GPU run; time budgets come from the flags.
 GPU_RECIPE = {"medusa": (1e-3, 32), "eagle": (5e-4, 16), "draft": (3e-4, 16), "eagle3": (5e-4, 16)}
 GPU_MAX_STEPS = 20000  # effectively unbounded: the time budget ends each run
-# Every train row is padded to the widest (512: 256 prompt + 256 generated) and holds fp32 features
-# (576 x 4 B) plus bf16 EAGLE-3 inputs (3 x 576 x 2 B) per position: 2.95 MB a row. 6000 self-distilled
-# + 20000 teacher-forced rows take 77 GB of the H200's 139 GiB (149 GB), leaving ~70 GB for training.
+# Every train token holds fp32 features (576 x 4 B) plus, for EAGLE-3, bf16 inputs (3 x 576 x 2 B), packed
+# without padding: 5.8 kB a token. The 10.3 M tokens of drafts/distill/smollm2-sharegpt-42220.npz take 24 GB
+# (60 GB with EAGLE-3's) of the H200's 139 GiB; stored padded to 512 they took twice that.
 RECOMMENDED_TEACHER_FORCED = 20000
 TINY_TEACHER_FORCED = 4
 TINY_STEPS = 3

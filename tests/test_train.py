@@ -215,9 +215,11 @@ def test_teacher_forced_rows_join_train_only(tiny_target, tmp_path):
     assert train_set.prompt_lens[2:].tolist() == [8, 4]
     assert stats["train_teacher_forced_tokens"] == 33 and stats["train_teacher_forced_reply_tokens"] == 21
     assert stats["train_tokens"] == stats["train_self_distilled_tokens"] + 33
-    assert train_set.features.shape[:2] == train_set.tokens.shape
+    batch = train_set.subset(torch.arange(4))  # features are stored packed, drawn padded
+    assert batch.features.shape[:2] == train_set.tokens.shape
     alone, _ = extract_features(tiny_target, torch.tensor([forced[1]]), ())  # batched shortest-first, put back in place
-    assert torch.allclose(train_set.features[3, :13], alone[0], atol=1e-5)
+    assert torch.allclose(batch.features[3, :13], alone[0], atol=1e-5) and not batch.features[3, 13:].any()
+    assert train_set.features.flat.shape[0] == stats["train_tokens"]  # no padding kept
 
 
 def test_sampled_copies_join_train_and_survive_the_tokens_file(tiny_target, tmp_path):

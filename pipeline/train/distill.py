@@ -2,6 +2,8 @@
 
 Drafts trained on what the target itself says accept far more than drafts trained on human text.
 Sequences are stored right-padded in one tensor; `prompt_lens` marks where the target's text starts.
+Their features are stored packed (rows back to back), since they are most of the memory and rows
+average half the widest; each batch is padded when it is drawn.
 """
 
 from __future__ import annotations
@@ -59,12 +61,41 @@ def continuations(model: nn.Module, prompts: list[list[int]], max_new_tokens: in
 
 
 @dataclass
+class PackedRows:
+    """One vector a position of variable-length rows, stored back to back without padding."""
+
+    flat: torch.Tensor  # [sum of lengths, D]
+    starts: torch.Tensor  # [N] where each row begins in `flat`
+
+    @classmethod
+    def zeros(cls, lengths: torch.Tensor, dim: int, dtype: torch.dtype, device) -> "PackedRows":
+        starts = torch.cumsum(lengths, 0) - lengths
+        return cls(torch.zeros(int(lengths.sum()), dim, dtype=dtype, device=device), starts.to(device))
+
+    def positions(self, rows: torch.Tensor, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([R, width] index into `flat`, [R, width] whether the position is inside its row)."""
+        pos = torch.arange(width, device=self.flat.device)
+        inside = pos[None, :] < lengths.to(self.flat.device)[:, None]
+        return torch.where(inside, self.starts[rows.to(self.flat.device)][:, None] + pos, 0), inside
+
+    def padded(self, rows: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+        """[R, width, D], zero past each row's length (as a padded store would hold)."""
+        index, inside = self.positions(rows, lengths, width)
+        return self.flat[index].masked_fill_(~inside[..., None], 0)
+
+    def to(self, device) -> "PackedRows":
+        return PackedRows(self.flat.to(device), self.starts.to(device))
+
+
+@dataclass
 class DistillSet:
     tokens: torch.Tensor  # [N, T] right-padded
     lengths: torch.Tensor  # [N]
     prompt_lens: torch.Tensor  # [N]
-    features: torch.Tensor | None = None  # [N, T, H] final features, the LM head's input
-    aux: torch.Tensor | None = None  # [N, T, 3H] EAGLE-3 fused-layer inputs
+    # Final features (the LM head's input) and EAGLE-3's fused-layer inputs: [N, T, H] and [N, T, 3H] in a
+    # batch, packed in a whole set (attach_features); subset() always returns them padded.
+    features: torch.Tensor | PackedRows | None = None
+    aux: torch.Tensor | PackedRows | None = None
 
     @classmethod
     def from_sequences(cls, seqs: list[list[int]], prompt_lens: list[int], pad_id: int) -> "DistillSet":
@@ -89,13 +120,18 @@ class DistillSet:
         return int((self.lengths - self.prompt_lens).sum())
 
     def to(self, device: str) -> "DistillSet":
-        move = lambda t: None if t is None else t.to(device)
+        move = lambda t: None if t is None else t.to(device)  # a tensor or PackedRows
         return DistillSet(move(self.tokens), move(self.lengths), move(self.prompt_lens), move(self.features),
                           move(self.aux))
 
     def subset(self, rows: torch.Tensor) -> "DistillSet":
         width = int(self.lengths[rows].max())
-        pick = lambda t: None if t is None else t[rows, :width]
+
+        def pick(t: torch.Tensor | PackedRows | None) -> torch.Tensor | None:
+            if isinstance(t, PackedRows):
+                return t.padded(rows, self.lengths[rows], width)
+            return None if t is None else t[rows, :width]
+
         return DistillSet(pick(self.tokens), self.lengths[rows], self.prompt_lens[rows], pick(self.features),
                           pick(self.aux))
 
@@ -126,26 +162,22 @@ def read_tokens(path) -> tuple[list[list[int]], list[int]]:
 @torch.no_grad()
 def attach_features(data: DistillSet, model: nn.Module, aux_layers: tuple[int, ...], batch_size: int,
                     feature_dtype: torch.dtype, aux_dtype: torch.dtype) -> DistillSet:
-    """Fills `features` (and `aux` when aux_layers is non-empty) by running the frozen target once.
-
-    The outputs are allocated once (a list of batches concatenated at the end would need twice the
-    memory); rows go through the target shortest first, each batch cut to its longest row, so padding
-    costs little target compute (features past a batch's longest row stay zero)."""
+    """Fills `features` (and `aux` when aux_layers is non-empty), packed, by running the frozen target
+    once; rows go through it shortest first, each batch cut to its longest row, so padding costs little
+    target compute."""
     device = next(model.parameters()).device
-    rows, width = data.tokens.shape
     hidden = model.config.hidden_size
-    data.features = torch.zeros(rows, width, hidden, dtype=feature_dtype, device=device)
-    aux_width = len(aux_layers) * hidden
-    data.aux = torch.zeros(rows, width, aux_width, dtype=aux_dtype, device=device) if aux_layers else None
+    data.features = PackedRows.zeros(data.lengths, hidden, feature_dtype, device)
+    data.aux = PackedRows.zeros(data.lengths, len(aux_layers) * hidden, aux_dtype, device) if aux_layers else None
     order = torch.argsort(data.lengths)
-    for lo in tqdm(range(0, rows, batch_size), desc="target features", unit="batch"):
+    for lo in tqdm(range(0, len(order), batch_size), desc="target features", unit="batch"):
         pick = order[lo:lo + batch_size]
         cut = int(data.lengths[pick].max())
         final, aux = extract_features(model, data.tokens[pick, :cut].to(device), aux_layers)
-        pick = pick.to(device)
-        data.features[pick, :cut] = final.to(feature_dtype)
+        index, inside = data.features.positions(pick, data.lengths[pick], cut)
+        data.features.flat[index[inside]] = final[inside].to(feature_dtype)
         if aux is not None:
-            data.aux[pick, :cut] = aux.to(aux_dtype)
+            data.aux.flat[index[inside]] = aux[inside].to(aux_dtype)
     return data
 
 
