@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""An EAGLE drafter's top-k on CUDA: the LM head, log-softmax and torch.topk the engine runs at every draft
+depth, against one kernel that computes a vocabulary tile's logits and keeps only that tile's top k, its
+maximum and its sum of exponentials (a small torch.topk over the tiles' candidates finishes).
+
+Why: in the H200 profile of session n (BENCHMARKS.md §2) torch.topk's radix kernels took 0.23 ms of
+EAGLE-3 deep's 1.92 ms step (seven depths, 10 rows each, 49,152 tokens). The fused path never writes the
+[rows, vocab] logits, and what is left for torch.topk is [rows, tiles x k] instead of [rows, vocab].
+
+Each case is timed as probe_gemv.py times a product (one CUDA graph of calls; the same LM head every
+call, as at the drafter's consecutive depths) and checked against float32 log-softmax + topk. Under
+TRITON_INTERPRET=1 on the CPU it checks correctness only, in float32 (the interpreter's bfloat16 tl.dot
+returns garbage).
+
+  python3 build/probe_draft_topk.py                                   # CUDA: table of us a depth
+  TRITON_INTERPRET=1 python3 build/probe_draft_topk.py --device cpu   # correctness only
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+DOT_ROWS = 16  # tl.dot's smallest tile: a depth's rows (at most 16 here) are padded to it
+BLOCK_H = 64
+VARIANTS = ((128, 4), (256, 4), (256, 8))  # vocabulary tile, warps
+# name: rows (a depth's nodes), vocabulary, hidden, k
+CASES = {"root, SmolLM2": (1, 49152, 576, 10), "depth, SmolLM2": (10, 49152, 576, 10),
+         "depth, k 8": (8, 49152, 576, 8), "depth, 8B": (10, 128256, 4096, 10)}
+
+
+@triton.jit
+def _lm_head_topk_kernel(h_ptr, w_ptr, val_ptr, idx_ptr, max_ptr, sum_ptr, rows, vocab, hidden,
+                         ROWS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr):
+    """One vocabulary tile for every row: logits in float32, then the tile's k best (value, token), its
+    maximum and its sum of exp(logit - maximum), at [row, tile] of the outputs."""
+    tile = tl.program_id(0)
+    tiles = tl.num_programs(0)
+    r = tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_V)
+    v = tile * BLOCK_V + cols
+    acc = tl.zeros((ROWS, BLOCK_V), tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        c = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(h_ptr + r[:, None] * hidden + c[None, :], mask=(r[:, None] < rows) & (c[None, :] < hidden),
+                    other=0.0)
+        w = tl.load(w_ptr + v[:, None] * hidden + c[None, :], mask=(v[:, None] < vocab) & (c[None, :] < hidden),
+                    other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    acc = tl.where(v[None, :] < vocab, acc, float("-inf"))
+    live = r < rows
+    out = r * tiles + tile
+    top = tl.max(acc, axis=1)
+    tl.store(max_ptr + out, top, mask=live)
+    tl.store(sum_ptr + out, tl.sum(tl.exp(acc - top[:, None]), axis=1), mask=live)
+    for j in tl.static_range(K):  # k rounds of max-and-remove: k is small, the tile is in registers
+        best = tl.max(acc, axis=1)
+        at = tl.argmax(acc, axis=1)
+        tl.store(val_ptr + out * K + j, best, mask=live)
+        tl.store(idx_ptr + out * K + j, tile * BLOCK_V + at, mask=live)
+        acc = tl.where(cols[None, :] == at[:, None], float("-inf"), acc)
+
+
+def fused_topk(h: torch.Tensor, weight: torch.Tensor, k: int, block_v: int, warps: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities, tokens) of the k most likely tokens of each row of lm_head(h): [rows, k] each."""
+    rows, hidden = h.shape
+    vocab = weight.shape[0]
+    tiles = triton.cdiv(vocab, block_v)
+    val = torch.empty(rows, tiles * k, dtype=torch.float32, device=h.device)
+    idx = torch.empty(rows, tiles * k, dtype=torch.int32, device=h.device)
+    tile_max = torch.empty(rows, tiles, dtype=torch.float32, device=h.device)
+    tile_sum = torch.empty_like(tile_max)
+    _lm_head_topk_kernel[(tiles,)](h, weight, val, idx, tile_max, tile_sum, rows, vocab, hidden, ROWS=DOT_ROWS,
+                                   BLOCK_V=block_v, BLOCK_H=BLOCK_H, K=k, num_warps=warps)
+    top = tile_max.max(dim=1, keepdim=True).values
+    log_norm = top + torch.log((tile_sum * torch.exp(tile_max - top)).sum(dim=1, keepdim=True))
+    best, pos = val.topk(k, dim=1)
+    return best - log_norm, idx.gather(1, pos).long()
+
+
+def engine_topk(h: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What EagleProposer does at a depth: logits in the weights' dtype, float32 log-softmax, topk."""
+    return F.log_softmax(F.linear(h, weight).float(), dim=-1).topk(k, dim=-1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        from probe_gemv import timed
+    torch.manual_seed(0)
+    names = ["engine"] + [f"fused {b}/{w}w" for b, w in VARIANTS]
+    print(f"{'case':<18}" + "".join(f"{n:>16}" for n in names) + "   (us a depth; fused: tokens equal to float32's)")
+    for case, (rows, vocab, hidden, k) in CASES.items():
+        if not cuda and hidden > 1024:
+            continue  # the interpreter is slow; the 8B shape adds nothing to a correctness check
+        dtype = torch.bfloat16 if cuda else torch.float32
+        weight = (torch.randn(vocab, hidden, device=device) * hidden ** -0.5).to(dtype)
+        h = (torch.randn(rows, hidden, device=device) * 3).to(dtype)
+        want_logp, want_tok = F.log_softmax(h.float() @ weight.float().T, dim=-1).topk(k, dim=-1)
+        cells = [f"{timed(lambda i: engine_topk(h, weight, k)) if cuda else float('nan'):>16.1f}"]
+        for block_v, warps in VARIANTS:
+            logp, tok = fused_topk(h, weight, k, block_v, warps)
+            assert torch.equal(tok, want_tok), f"{case}, tile {block_v}: tokens differ"
+            assert torch.allclose(logp, want_logp, atol=1e-3), f"{case}, tile {block_v}: log-probabilities differ"
+            us = timed(lambda i: fused_topk(h, weight, k, block_v, warps)) if cuda else float("nan")
+            cells.append(f"{us:>16.1f}")
+        print(f"{case:<18}" + "".join(cells), flush=True)
+    print("fused top-k ok")
+
+
+if __name__ == "__main__":
+    main()
