@@ -14,7 +14,6 @@ run's error column can).
   python3 build/probe_attention_merge.py                                    # CUDA: table of us a layer
   TRITON_INTERPRET=1 python3 build/probe_attention_merge.py --device cpu    # correctness only
 """
-import argparse
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from probe_gemv import REPS, probe_device, timed  # noqa: E402
 
 from pipeline.engine import fused_kernels  # noqa: E402
 from pipeline.engine.fused import ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_SPLITS  # noqa: E402
@@ -109,13 +109,8 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda")
-    args = ap.parse_args()
-    device = torch.device(args.device)
+    device = probe_device(__doc__)
     cuda = device.type == "cuda"
-    if cuda:
-        from probe_gemv import REPS, timed
     layers = REPS if cuda else 1
     torch.manual_seed(0)
     print(f"{'case':<24}{'two kernels':>22}{'one kernel':>22}   (us a layer; max rel err against float32 SDPA)")

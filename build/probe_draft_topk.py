@@ -15,7 +15,6 @@ returns garbage).
   python3 build/probe_draft_topk.py                                   # CUDA: table of us a depth
   TRITON_INTERPRET=1 python3 build/probe_draft_topk.py --device cpu   # correctness only
 """
-import argparse
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from probe_gemv import probe_device, timed  # noqa: E402
 
 DOT_ROWS = 16  # tl.dot's smallest tile: a depth's rows (at most 16 here) are padded to it
 BLOCK_H = 64
@@ -91,13 +91,8 @@ def engine_topk(h: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Te
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda")
-    args = ap.parse_args()
-    device = torch.device(args.device)
+    device = probe_device(__doc__)
     cuda = device.type == "cuda"
-    if cuda:
-        from probe_gemv import timed
     torch.manual_seed(0)
     names = ["engine"] + [f"fused {b}/{w}w" for b, w in VARIANTS]
     print(f"{'case':<18}" + "".join(f"{n:>16}" for n in names) + "   (us a depth; fused: tokens equal to float32's)")

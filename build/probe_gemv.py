@@ -9,6 +9,7 @@ Prints microseconds and GB/s per shape and variant, and the sum over the 129 pro
 
   python3 build/probe_gemv.py          # on a CUDA machine with Triton (about 15 s on an H200)
 """
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -30,6 +31,13 @@ SWEEP = ((8, 1024, 8), (16, 1024, 8), (4, 1024, 4), (1, 1024, 4), (2, 1024, 4), 
 COPIES = 6
 REPS = 4 * COPIES
 EPS = 1e-5
+
+
+def probe_device(doc: str) -> torch.device:
+    """A probe's --device: cuda to time, or cpu (under TRITON_INTERPRET=1) to check correctness only."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    return torch.device(ap.parse_args().device)
 
 
 def timed(fn) -> float:
