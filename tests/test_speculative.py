@@ -276,7 +276,8 @@ def test_running_ahead_changes_only_how_tokens_are_grouped(case, tiny_llama_dir,
             engine.proposer = OracleMedusa(engine.proposer, ref)
         elif name == "oracle":
             engine.proposer.net = OracleNet(engine.proposer.net, ref)
-        elif name == "oracle, graph steps":  # CUDA's step objects, run directly here: static buffers, greedy acceptance and compaction in one step
+        elif name == "oracle, graph steps":  # CUDA's step objects run directly here: static buffers, greedy
+            # acceptance and compaction in one step
             engine.graphs = GraphedTarget(engine.target, engine.cache, engine.proposer.capture_layers, compile=False)
         seen, biggest = by_draft[name] = stream_by_run_ahead(engine, ids, requests, (1, 4))
         assert all(seen[1, i] == seen[4, i] for i in range(len(requests))), (name, seen)

@@ -313,9 +313,9 @@ def _attention_split(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_
                      sm_scale, stride_slot, stride_head, num_splits, span,
                      GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD: tl.constexpr,
                      CHUNK: tl.constexpr, REGION: tl.constexpr):
-    """Program (kv head, split): one token's query group of one kv head over one span of cache slots, CHUNK slots at a time
-    with a running softmax: the span's max, sum and unnormalised output per query head
-    (flash-decoding's first half).
+    """Program (kv head, split): one token's query group of one kv head over one span of cache slots,
+    CHUNK slots at a time with a running softmax: the span's max, sum and unnormalised output per query
+    head (flash-decoding's first half).
 
     Visible: slots below the device length, and slot length + j where rows[0, j] (REGION), or the
     token's own slot, length itself (not REGION). Nothing past length + region is read, so a step
