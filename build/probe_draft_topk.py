@@ -94,6 +94,7 @@ def main() -> None:
     device = probe_device(__doc__)
     cuda = device.type == "cuda"
     torch.manual_seed(0)
+    ok = True
     names = ["engine"] + [f"fused {b}/{w}w" for b, w in VARIANTS]
     print(f"{'case':<18}" + "".join(f"{n:>16}" for n in names) + "   (us a depth; fused: tokens equal to float32's)")
     for case, (rows, vocab, hidden, k) in CASES.items():
@@ -106,12 +107,17 @@ def main() -> None:
         cells = [f"{timed(lambda i: engine_topk(h, weight, k)) if cuda else float('nan'):>16.1f}"]
         for block_v, warps in VARIANTS:
             logp, tok = fused_topk(h, weight, k, block_v, warps)
-            assert torch.equal(tok, want_tok), f"{case}, tile {block_v}: tokens differ"
-            assert torch.allclose(logp, want_logp, atol=1e-3), f"{case}, tile {block_v}: log-probabilities differ"
+            if not (torch.equal(tok, want_tok) and torch.allclose(logp, want_logp, atol=1e-3)):
+                # on the GPU a near-tie may order differently in bf16; say so and keep timing
+                print(f"{case}, tile {block_v}: {(tok != want_tok).sum().item()} tokens differ, max log-prob error "
+                      f"{(logp - want_logp).abs().max().item():.2e}")
+                ok = False
             us = timed(lambda i: fused_topk(h, weight, k, block_v, warps)) if cuda else float("nan")
             cells.append(f"{us:>16.1f}")
         print(f"{case:<18}" + "".join(cells), flush=True)
-    print("fused top-k ok")
+    print("fused top-k ok" if ok else "fused top-k: differences above")
+    if not ok:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
