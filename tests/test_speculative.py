@@ -222,6 +222,30 @@ def test_smollm2_random_medusa_and_eagle_are_lossless(smollm2_engine_dir):
         assert greedy(engine, text, n).token_ids == greedy(plain_engine, text, n).token_ids, name
 
 
+# The committed drafts, converted as `make build-engines` does, with CPU-sized trees. A trained draft accepts
+# far more than a random one (about 1.0 here); a converter that misplaced a trained tensor would fall to that.
+SHIPPED_DRAFTS = {
+    "medusa": dict(medusa="smollm2-medusa"),
+    "eagle": dict(eagle="smollm2-eagle", dynamic_tree=True, dynamic_top_k=4, dynamic_depth=2, max_draft_len=5),
+    "eagle3": dict(eagle3="smollm2-eagle3", dynamic_tree=True, dynamic_top_k=4, dynamic_depth=2, max_draft_len=5),
+}
+TRAINED_ACCEPTANCE_AT_LEAST = 1.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SHIPPED_DRAFTS)
+def test_shipped_drafts_are_lossless_and_accept(name, smollm2_source, smollm2_engine_dir, tmp_path):
+    drafts = Path(__file__).resolve().parents[1] / "drafts"
+    flags = dict(SHIPPED_DRAFTS[name])
+    kind = next(k for k in ("medusa", "eagle", "eagle3") if k in flags)
+    flags[kind] = drafts / flags[kind]
+    engine = Engine.from_dir(convert_and_build(smollm2_source, tmp_path, **flags))
+    text, n = "Write a short poem about the sea.", 24
+    got = greedy(engine, text, n)
+    assert got.token_ids == greedy(Engine.from_dir(smollm2_engine_dir), text, n).token_ids
+    assert got.stats.acceptance_length >= TRAINED_ACCEPTANCE_AT_LEAST, got.stats
+
+
 def test_sampling_modes_run_and_are_seeded(tiny_llama_dir, plain, tmp_path):
     """Lossless sampling (EAGLE, draft model) and Medusa typical acceptance: reproducible per seed, greedy still exact."""
     vocab = vocab_of(tiny_llama_dir)
