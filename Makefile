@@ -117,26 +117,26 @@ demo: triton-repo
 	  --max-tokens $(VERIFY_MAX_TOKENS) --report reports/demo-verify.json
 
 # Self-distil SmolLM2 on ShareGPT and train the Medusa, EAGLE, EAGLE-3 and draft-model drafts (a CUDA GPU:
-# about 22 minutes on an H200). Results land in TRAIN_OUT, as in drafts/: EAGLE and the draft model from
-# 6,000 prompts (first session); EAGLE-3 with 6 unrolled steps from the 19,692-row token file (all 8,228
-# usable first turns plus 11,264 later turns, session d); Medusa with two blocks a head from the 42,220-row
-# token file, which extends it with 22,528 more later turns (session o). See drafts/*/MODEL_CARD.md.
+# about 30 minutes on an H200). Results land in TRAIN_OUT, as in drafts/: the draft model from 6,000 prompts
+# (first session); EAGLE-3 with 6 unrolled steps from the 19,692-row token file (all 8,228 usable first turns
+# plus 11,264 later turns, session d); EAGLE-2 and Medusa (three blocks a head) from the 42,220-row token file,
+# which extends it with 22,528 more later turns (sessions o, p). See drafts/*/MODEL_CARD.md.
 TRAIN_DEVICE ?= cuda
 TRAIN_OUT ?= reports/tmp/drafts
-TRAIN_BUDGETS ?= eagle=120,draft=70
+DRAFT_BUDGET ?= 70
 EAGLE3_BUDGET ?= 420
-MEDUSA_BUDGET ?= 240
+LATER_BUDGETS ?= eagle=480,medusa=420
 ALL_FIRST_TURNS = 8228
 LATER_TURNS = 32000
 ALL_LATER_TURNS = 39917
 EAGLE3_TOKENS = drafts/distill/smollm2-sharegpt-19692.npz
-MEDUSA_TOKENS = drafts/distill/smollm2-sharegpt-42220.npz
+LATER_TOKENS = drafts/distill/smollm2-sharegpt-42220.npz
 
 .PHONY: train-drafts
 train-drafts: setup
 	$(BIN)/python build/train_draft.py prompts --output $(TRAIN_OUT)/data
 	$(BIN)/python build/train_draft.py run --prompts $(TRAIN_OUT)/data --output $(TRAIN_OUT) --device $(TRAIN_DEVICE) \
-	  --methods eagle,draft --budgets $(TRAIN_BUDGETS) --gen-budget 120 --gen-batch 1024
+	  --methods draft --budgets draft=$(DRAFT_BUDGET) --gen-budget 120 --gen-batch 1024
 	$(BIN)/python build/train_draft.py prompts --output $(TRAIN_OUT)/data-all --count $(ALL_FIRST_TURNS) \
 	  --later-turns $(LATER_TURNS)
 	$(BIN)/python build/train_draft.py run --prompts $(TRAIN_OUT)/data-all --output $(TRAIN_OUT)/eagle3 \
@@ -144,9 +144,9 @@ train-drafts: setup
 	  --distill-tokens $(EAGLE3_TOKENS) --gen-budget 0
 	$(BIN)/python build/train_draft.py prompts --output $(TRAIN_OUT)/data-later --count $(ALL_FIRST_TURNS) \
 	  --later-turns $(ALL_LATER_TURNS)
-	$(BIN)/python build/train_draft.py run --prompts $(TRAIN_OUT)/data-later --output $(TRAIN_OUT)/medusa \
-	  --device $(TRAIN_DEVICE) --methods medusa --medusa-layers 2 --budgets medusa=$(MEDUSA_BUDGET) \
-	  --distill-tokens $(MEDUSA_TOKENS) --gen-budget 0
+	$(BIN)/python build/train_draft.py run --prompts $(TRAIN_OUT)/data-later --output $(TRAIN_OUT)/later \
+	  --device $(TRAIN_DEVICE) --methods eagle,medusa --medusa-layers 3 --budgets $(LATER_BUDGETS) \
+	  --distill-tokens $(LATER_TOKENS) --gen-budget 0
 
 # --- Speed (issue 8) ---------------------------------------------------------------------------
 # make bench: on a CUDA GPU, the bandwidth floor and 8B-shape decode/verification, SmolLM2 with every
