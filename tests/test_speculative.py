@@ -222,27 +222,27 @@ def test_smollm2_random_medusa_and_eagle_are_lossless(smollm2_engine_dir):
         assert greedy(engine, text, n).token_ids == greedy(plain_engine, text, n).token_ids, name
 
 
-# The committed drafts, converted as `make build-engines` does, with CPU-sized trees. A trained draft accepts
-# far more than a random one (about 1.0 here); a converter that misplaced a trained tensor would fall to that.
-SHIPPED_DRAFTS = {
-    "medusa": dict(medusa="smollm2-medusa"),
-    "eagle": dict(eagle="smollm2-eagle", dynamic_tree=True, dynamic_top_k=4, dynamic_depth=2, max_draft_len=5),
-    "eagle3": dict(eagle3="smollm2-eagle3", dynamic_tree=True, dynamic_top_k=4, dynamic_depth=2, max_draft_len=5),
-}
+# The committed drafts (drafts/smollm2-<kind>), converted as `make build-engines` does, with the CPU's small
+# EAGLE trees. A random draft accepts almost nothing on the real target; a converter that misplaced a trained
+# tensor would fall to that.
+CPU_TREE = dict(dynamic_tree=True, dynamic_top_k=4, dynamic_depth=2, max_draft_len=5)
+SHIPPED_DRAFTS = {"medusa": {}, "eagle": CPU_TREE, "eagle3": CPU_TREE}
 TRAINED_ACCEPTANCE_AT_LEAST = 1.5
+SHIPPED_PROMPT, SHIPPED_TOKENS = "Write a short poem about the sea.", 24
+
+
+@pytest.fixture(scope="module")
+def smollm2_plain_tokens(smollm2_engine_dir) -> list[int]:
+    return greedy(Engine.from_dir(smollm2_engine_dir), SHIPPED_PROMPT, SHIPPED_TOKENS).token_ids
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", SHIPPED_DRAFTS)
-def test_shipped_drafts_are_lossless_and_accept(name, smollm2_source, smollm2_engine_dir, tmp_path):
-    drafts = Path(__file__).resolve().parents[1] / "drafts"
-    flags = dict(SHIPPED_DRAFTS[name])
-    kind = next(k for k in ("medusa", "eagle", "eagle3") if k in flags)
-    flags[kind] = drafts / flags[kind]
-    engine = Engine.from_dir(convert_and_build(smollm2_source, tmp_path, **flags))
-    text, n = "Write a short poem about the sea.", 24
-    got = greedy(engine, text, n)
-    assert got.token_ids == greedy(Engine.from_dir(smollm2_engine_dir), text, n).token_ids
+@pytest.mark.parametrize("kind", SHIPPED_DRAFTS)
+def test_shipped_drafts_are_lossless_and_accept(kind, smollm2_source, smollm2_plain_tokens, tmp_path):
+    folder = Path(__file__).resolve().parents[1] / "drafts" / f"smollm2-{kind}"
+    engine = Engine.from_dir(convert_and_build(smollm2_source, tmp_path, **{kind: folder}, **SHIPPED_DRAFTS[kind]))
+    got = greedy(engine, SHIPPED_PROMPT, SHIPPED_TOKENS)
+    assert got.token_ids == smollm2_plain_tokens
     assert got.stats.acceptance_length >= TRAINED_ACCEPTANCE_AT_LEAST, got.stats
 
 
