@@ -96,7 +96,17 @@ def cmd_run(args: argparse.Namespace) -> None:
     if args.sample_copies < 0 or args.sample_temperature <= 0:
         raise UserError(f"--sample-copies {args.sample_copies} must be >= 0 and --sample-temperature "
                         f"{args.sample_temperature} above 0")
-    shapes = dict(medusa_layers=args.medusa_layers, eagle_steps=args.eagle_steps, eagle3_steps=args.eagle3_steps,
+    if not 0 <= args.medusa_hard_weight <= 1:
+        raise UserError(f"--medusa-hard-weight {args.medusa_hard_weight}: must be between 0 and 1")
+    init_from = {}
+    for item in filter(None, (args.init_from or "").split(",")):
+        name, _, folder = item.partition("=")
+        if name not in methods or not Path(folder).is_dir():
+            raise UserError(f"--init-from {item!r}: expected method=draft-folder with a method of --methods "
+                            "and an existing folder (e.g. medusa=drafts/smollm2-medusa)")
+        init_from[name] = Path(folder)
+    shapes = dict(medusa_layers=args.medusa_layers, medusa_hard_weight=args.medusa_hard_weight, init_from=init_from,
+                  eagle_steps=args.eagle_steps, eagle3_steps=args.eagle3_steps,
                   sample_copies=args.sample_copies, sample_temperature=args.sample_temperature, seed=args.seed)
     prompts = PromptSet.load(Path(args.prompts))
     if args.tiny:
@@ -142,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--eagle-steps", type=int, default=RunSettings.eagle_steps, help="EAGLE unrolled training steps")
     r.add_argument("--eagle3-steps", type=int, default=RunSettings.eagle3_steps, help="EAGLE-3 unrolled steps")
     r.add_argument("--medusa-layers", type=int, default=RunSettings.medusa_layers, help="residual layers a head")
+    r.add_argument("--medusa-hard-weight", type=float, default=RunSettings.medusa_hard_weight,
+                   help="share of the Medusa loss on the target's greedy token instead of its distribution")
+    r.add_argument("--init-from", help="method=draft-folder,...: continue training those drafts (same shape)")
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--gen-batch", type=int, default=512)
     r.add_argument("--gen-budget", type=float, default=150.0, help="seconds of self-distillation at most")

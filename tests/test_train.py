@@ -44,11 +44,15 @@ def tiny_target():
     return model
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_target, tmp_path_factory):
+def random_prompts() -> PromptSet:
     rng = random.Random(0)
     prompt = lambda: [rng.randrange(2, VOCAB) for _ in range(rng.randrange(4, 12))]
-    prompts = PromptSet([prompt() for _ in range(24)], [prompt() for _ in range(4)], EOS, PAD, "random")
+    return PromptSet([prompt() for _ in range(24)], [prompt() for _ in range(4)], EOS, PAD, "random")
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target, tmp_path_factory):
+    prompts = random_prompts()
     train = {m: TrainSettings(STEPS, 3e-3, 8, 600.0, 0, eval_every=20) for m in ("medusa", "eagle", "draft", "eagle3")}
     settings = RunSettings(("medusa", "eagle", "draft", "eagle3"), max_new_tokens=24, gen_batch=8, gen_budget_s=600,
                            feature_batch=8, train=train, medusa_heads=3, draft_layers=(0, LAYERS - 1))
@@ -89,6 +93,24 @@ def test_training_lowers_the_held_out_loss(trained, method):
     assert result["ok"], result["error"]
     losses = result["log"]["eval_loss"]
     assert losses[-1] < losses[0]
+
+
+def test_training_continues_from_a_saved_draft(trained, tiny_target, tmp_path):
+    """--init-from: the continued run starts at the saved draft's held-out loss (fp16 rounding aside),
+    and a draft of another shape is refused before any distillation."""
+    summary, out = trained
+    base = dict(max_new_tokens=24, gen_batch=8, gen_budget_s=600, feature_batch=8, medusa_heads=3)
+    train = {"medusa": TrainSettings(1, 1e-9, 8, 600.0, 0, eval_every=20)}
+    continued = run_all(tiny_target, random_prompts(), RunSettings(("medusa",), train=train, **base,
+                        init_from={"medusa": out / FOLDERS["medusa"]}), tmp_path / "a")
+    saved = summary["methods"]["medusa"]["log"]["eval_loss"]
+    assert continued["methods"]["medusa"]["log"]["eval_loss"][0] == pytest.approx(saved[-1], rel=1e-3)
+    assert saved[-1] != pytest.approx(saved[0], rel=1e-2)  # so a run that ignored the saved heads would fail
+    prompts = random_prompts()
+    wrong = RunSettings(("medusa",), train=train, **base, medusa_layers=2, init_from={"medusa": out / FOLDERS["medusa"]})
+    with pytest.raises(UserError, match="medusa-layers"):
+        run_all(tiny_target, prompts, wrong, tmp_path / "c")
+    assert not (tmp_path / "c" / TOKENS_FILE).exists()
 
 
 def test_output_folders_follow_the_converter_formats(trained):
@@ -259,14 +281,17 @@ def test_a_tokens_file_is_extended_to_new_train_prompts(tiny_target, tmp_path):
 
 @pytest.mark.parametrize("flags", [["--lr", "eagle=fast"], ["--lr", "nope=1e-3"], ["--eagle-steps", "0"],
                                    ["--medusa-layers", "0"], ["--budgets", "eagle"], ["--sample-copies", "-1"],
-                                   ["--sample-temperature", "0"]])
+                                   ["--sample-temperature", "0"], ["--medusa-hard-weight", "1.5"],
+                                   ["--methods", "medusa", "--init-from", "medusa=/no/such/folder"],
+                                   ["--methods", "medusa", "--init-from", "eagle=drafts/smollm2-eagle"]])
 def test_run_flags_are_validated(flags, tmp_path, capsys):
     argv = ["run", "--prompts", str(tmp_path), "--output", str(tmp_path / "out"), "--device", "cpu", *flags]
     assert train_draft_main(argv) == USER_ERROR_EXIT_CODE
     assert "error:" in capsys.readouterr().err
 
 
-def test_medusa_loss_is_each_heads_cross_entropy_to_the_target_later():
+@pytest.mark.parametrize("hard_weight", [0.0, 0.3])
+def test_medusa_loss_is_each_heads_cross_entropy_to_the_target_later(hard_weight):
     """The shared teacher softmax gives what each head's own definition gives: head h at position p learns
     the target's distribution at p + 1 + h, over positions whose teacher predicts a continuation token."""
     from pipeline.train.medusa import HEAD_DECAY, build_heads, medusa_loss
@@ -289,7 +314,7 @@ def test_medusa_loss_is_each_heads_cross_entropy_to_the_target_later():
                 if prompt_lens[row] - 1 <= teacher_pos < lengths[row]:
                     q = torch.log_softmax(frozen.logits(head(batch.features[row, pos])), -1)
                     p = torch.softmax(frozen.logits(batch.features[row, teacher_pos]), -1)
-                    terms.append(-(p * q).sum())
+                    terms.append((1 - hard_weight) * -(p * q).sum() - hard_weight * q[p.argmax()])
         want += HEAD_DECAY ** h * torch.stack(terms).mean()
         norm += HEAD_DECAY ** h
-    assert torch.allclose(medusa_loss(heads, frozen, batch), want / norm, atol=1e-5)
+    assert torch.allclose(medusa_loss(heads, frozen, batch, hard_weight), want / norm, atol=1e-5)

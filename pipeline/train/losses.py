@@ -11,9 +11,15 @@ def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tenso
     return cross_entropy_to(student_logits, torch.softmax(teacher_logits.float(), dim=-1))
 
 
-def cross_entropy_to(student_logits: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
-    """soft_cross_entropy for a teacher distribution already computed, so several students can share one."""
-    return -(teacher_probs * F.log_softmax(student_logits.float(), dim=-1)).sum(-1).mean()
+def cross_entropy_to(student_logits: torch.Tensor, teacher_probs: torch.Tensor, hard_weight: float = 0.0
+                     ) -> torch.Tensor:
+    """soft_cross_entropy for a teacher distribution already computed, so several students can share one;
+    hard_weight of it taken against the teacher's argmax alone instead."""
+    log_q = F.log_softmax(student_logits.float(), dim=-1)
+    soft = -(teacher_probs * log_q).sum(-1).mean()
+    if not hard_weight:
+        return soft
+    return (1 - hard_weight) * soft + hard_weight * F.nll_loss(log_q, teacher_probs.argmax(-1))
 
 
 def feature_regression(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -39,9 +39,13 @@ def build_heads(hidden: int, num_heads: int, num_layers: int) -> nn.ModuleList:
     return nn.ModuleList(nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)]) for _ in range(num_heads))
 
 
-def medusa_loss(heads: nn.ModuleList, frozen: FrozenHead, batch: DistillSet) -> torch.Tensor:
+def medusa_loss(heads: nn.ModuleList, frozen: FrozenHead, batch: DistillSet, hard_weight: float = 0.0) -> torch.Tensor:
     """Every head's teacher is the target's distribution at some position of its continuation, so one
-    softmax over those positions serves all heads: 6 LM-head products a batch instead of 10 (5 heads)."""
+    softmax over those positions serves all heads: 6 LM-head products a batch instead of 10 (5 heads).
+
+    hard_weight moves that much of the loss onto the teacher's greedy token alone: greedy verification
+    accepts a head's guess only when it is that token, while the soft teacher also rewards ranking the
+    runners-up of every context a head cannot tell apart."""
     weights = step_weights(len(heads), HEAD_DECAY)
     taught = teacher_mask(batch, 0)  # positions whose distribution some head learns
     row_of = torch.cumsum(taught.flatten(), 0).view_as(taught) - 1  # position -> row of `teacher`
@@ -51,7 +55,7 @@ def medusa_loss(heads: nn.ModuleList, frozen: FrozenHead, batch: DistillSet) -> 
         shift = 1 + h
         mask = teacher_mask(batch, shift)[:, : batch.features.shape[1] - shift]
         student = frozen.logits(head(batch.features[:, :-shift][mask]))
-        total = total + weights[h] * cross_entropy_to(student, teacher[row_of[:, shift:][mask]])
+        total = total + weights[h] * cross_entropy_to(student, teacher[row_of[:, shift:][mask]], hard_weight)
     return total / sum(weights)
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
-from pipeline.errors import atomic_output_dir
+from pipeline.errors import UserError, atomic_output_dir
 from pipeline.train import draft_model, eagle, eagle3, medusa
 from pipeline.train.data import PromptSet
 from pipeline.train.distill import DistillSet, attach_features, continuations, random_batches, read_tokens
@@ -47,6 +48,7 @@ class RunSettings:
     train: dict[str, TrainSettings]
     medusa_heads: int = 5
     medusa_layers: int = 1
+    medusa_hard_weight: float = 0.0  # share of the Medusa loss on the target's greedy token (medusa_loss)
     eagle_steps: int = 3
     eagle3_steps: int = 3
     draft_layers: tuple[int, ...] = (0, 29)
@@ -57,6 +59,8 @@ class RunSettings:
     sample_temperature: float = 0.8
     seed: int = 0
     base_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # method -> a draft folder this run wrote before (or a committed one): training continues from its weights
+    init_from: dict[str, Path] = field(default_factory=dict)
 
 
 @dataclass
@@ -150,7 +154,7 @@ def build_method(method: str, target: nn.Module, frozen: FrozenHead, s: RunSetti
     last_layer = target.model.layers[target.config.num_hidden_layers - 1]
     if method == "medusa":
         m = medusa.build_heads(shape.hidden, s.medusa_heads, s.medusa_layers).to(device)
-        return (m, list(m.parameters()), lambda b: medusa.medusa_loss(m, frozen, b),
+        return (m, list(m.parameters()), lambda b: medusa.medusa_loss(m, frozen, b, s.medusa_hard_weight),
                 lambda d: medusa.medusa_depth_hits(m, frozen, d),
                 lambda f: medusa.save_medusa(m, f, s.base_model, s.medusa_layers, vocab, SAVE_DTYPE))
     if method == "eagle":
@@ -171,6 +175,26 @@ def build_method(method: str, target: nn.Module, frozen: FrozenHead, s: RunSetti
             lambda f: draft_model.save_draft_model(m, f, s.draft_layers, SAVE_DTYPE))
 
 
+WEIGHT_FILES = {"medusa": medusa.WEIGHTS_FILE, "eagle": eagle.WEIGHTS_FILE, "eagle3": eagle3.WEIGHTS_FILE}
+
+
+def load_init(method: str, module: nn.Module, folder: Path) -> None:
+    """Continue from a saved draft of the same shape: its file holds the module's whole state dict."""
+    if method not in WEIGHT_FILES:
+        raise UserError(f"--init-from {method}=...: only {', '.join(WEIGHT_FILES)} drafts can be continued")
+    path = folder / WEIGHT_FILES[method]
+    if not path.is_file():
+        raise UserError(f"--init-from {method}={folder}: no {WEIGHT_FILES[method]} there; pass a folder this "
+                        f"script wrote (for example drafts/{FOLDERS[method]})")
+    saved = load_file(str(path))
+    want = module.state_dict()
+    wrong = sorted(set(saved) ^ set(want)) + [k for k in saved if k in want and saved[k].shape != want[k].shape]
+    if wrong:
+        raise UserError(f"--init-from {method}={folder}: its tensors do not fit this run's draft (first: {wrong[0]}); "
+                        "train the same shape (for Medusa, --medusa-layers as in its config.json)")
+    module.load_state_dict(saved)
+
+
 def pack(folder: Path, pack_dir: Path) -> None:
     """One tar per draft folder, so a lease that returns few files still brings every draft back."""
     pack_dir.mkdir(parents=True, exist_ok=True)
@@ -184,6 +208,8 @@ def train_method(method: str, target: nn.Module, frozen: FrozenHead, train_set: 
     device = str(next(target.parameters()).device)
     torch.manual_seed(ts.seed)
     module, params, loss_fn, hits_fn, save = build_method(method, target, frozen, s)
+    if method in s.init_from:
+        load_init(method, module, s.init_from[method])
 
     def loss(batch: DistillSet) -> torch.Tensor:
         with mixed_precision(device):
@@ -209,6 +235,8 @@ def run_all(target: nn.Module, prompts: PromptSet, s: RunSettings, out: Path, to
     torch.manual_seed(s.seed)
     out.mkdir(parents=True, exist_ok=True)
     frozen = FrozenHead.of(target)
+    for method, folder in s.init_from.items():  # a wrong folder fails now, not after the distillation
+        load_init(method, build_method(method, target, frozen, s)[0], folder)
     train_set, held, data_stats = distill(target, prompts, s, out, tokens_file)
     print("data:", json.dumps(data_stats))
     results: dict[str, MethodResult] = {}
