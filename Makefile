@@ -120,12 +120,15 @@ demo: triton-repo
 # about 30 minutes on an H200). Results land in TRAIN_OUT, as in drafts/: the draft model from 6,000 prompts
 # (first session); EAGLE-3 with 6 unrolled steps from the 19,692-row token file (all 8,228 usable first turns
 # plus 11,264 later turns, session d); EAGLE-2 and Medusa (three blocks a head) from the 42,220-row token file,
-# which extends it with 22,528 more later turns (sessions o, p). See drafts/*/MODEL_CARD.md.
+# which extends it with 22,528 more later turns (sessions o, p), then both trained on from where they stopped
+# at a lower learning rate (session q). See drafts/*/MODEL_CARD.md.
 TRAIN_DEVICE ?= cuda
 TRAIN_OUT ?= reports/tmp/drafts
 DRAFT_BUDGET ?= 70
 EAGLE3_BUDGET ?= 420
 LATER_BUDGETS ?= eagle=480,medusa=420
+CONTINUE_BUDGETS ?= eagle=600,medusa=600
+CONTINUE_LR ?= eagle=2e-4,medusa=3e-4
 ALL_FIRST_TURNS = 8228
 LATER_TURNS = 32000
 ALL_LATER_TURNS = 39917
@@ -146,6 +149,10 @@ train-drafts: setup
 	  --later-turns $(ALL_LATER_TURNS)
 	$(BIN)/python build/train_draft.py run --prompts $(TRAIN_OUT)/data-later --output $(TRAIN_OUT)/later \
 	  --device $(TRAIN_DEVICE) --methods eagle,medusa --medusa-layers 3 --budgets $(LATER_BUDGETS) \
+	  --distill-tokens $(LATER_TOKENS) --gen-budget 0
+	$(BIN)/python build/train_draft.py run --prompts $(TRAIN_OUT)/data-later --output $(TRAIN_OUT)/continued \
+	  --device $(TRAIN_DEVICE) --methods eagle,medusa --medusa-layers 3 --budgets $(CONTINUE_BUDGETS) \
+	  --lr $(CONTINUE_LR) --init-from eagle=$(TRAIN_OUT)/later/smollm2-eagle,medusa=$(TRAIN_OUT)/later/smollm2-medusa \
 	  --distill-tokens $(LATER_TOKENS) --gen-budget 0
 
 # --- Speed (issue 8) ---------------------------------------------------------------------------

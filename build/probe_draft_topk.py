@@ -10,7 +10,9 @@ EAGLE-3 deep's 1.92 ms step (seven depths, 10 rows each, 49,152 tokens). The fus
 Each case is timed as probe_gemv.py times a product (one CUDA graph of calls; the same LM head every
 call, as at the drafter's consecutive depths), eagerly and through torch.compile (the "+c" columns: the
 engine compiles its drafter, which may fuse either side's small ops), and checked against float32
-log-softmax + topk. Session p timed the eager columns only: fused 60-65 us against 82-92 a depth. Under
+log-softmax + topk. Session p timed the eager columns only: fused 60-65 us against 82-92 a depth; session
+q the compiled ones too (SmolLM2, 8 rows, k 8): 45.9 against 83.7. The kernel is the engine's
+(fused_kernels.lm_head_topk, SPECPIPE_DRAFT_TOPK=fused); this probe times its tile and warp variants. Under
 TRITON_INTERPRET=1 on the CPU it checks correctness only, in float32 (the interpreter's bfloat16 tl.dot
 returns garbage).
 
@@ -25,67 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from probe_gemv import probe_device, timed  # noqa: E402
 
-DOT_ROWS = 16  # tl.dot's smallest tile: a depth's rows (at most 16 here) are padded to it
-BLOCK_H = 64
+from pipeline.engine.fused_kernels import tiled_topk as fused_topk  # noqa: E402
+
 VARIANTS = ((128, 4), (256, 4), (256, 8))  # vocabulary tile, warps
 CELL = 12  # table column width
 # name: rows (a depth's nodes), vocabulary, hidden, k
 CASES = {"root, SmolLM2": (1, 49152, 576, 10), "depth, SmolLM2": (10, 49152, 576, 10),
          "depth, k 8": (8, 49152, 576, 8), "depth, 8B": (10, 128256, 4096, 10)}
-
-
-@triton.jit
-def _lm_head_topk_kernel(h_ptr, w_ptr, val_ptr, idx_ptr, max_ptr, sum_ptr, rows, vocab, hidden,
-                         ROWS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr):
-    """One vocabulary tile for every row: logits in float32, then the tile's k best (value, token), its
-    maximum and its sum of exp(logit - maximum), at [row, tile] of the outputs."""
-    tile = tl.program_id(0)
-    tiles = tl.num_programs(0)
-    r = tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_V)
-    v = tile * BLOCK_V + cols
-    acc = tl.zeros((ROWS, BLOCK_V), tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
-        c = h0 + tl.arange(0, BLOCK_H)
-        x = tl.load(h_ptr + r[:, None] * hidden + c[None, :], mask=(r[:, None] < rows) & (c[None, :] < hidden),
-                    other=0.0)
-        w = tl.load(w_ptr + v[:, None] * hidden + c[None, :], mask=(v[:, None] < vocab) & (c[None, :] < hidden),
-                    other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-    acc = tl.where(v[None, :] < vocab, acc, float("-inf"))
-    live = r < rows
-    out = r * tiles + tile
-    top = tl.max(acc, axis=1)
-    tl.store(max_ptr + out, top, mask=live)
-    tl.store(sum_ptr + out, tl.sum(tl.exp(acc - top[:, None]), axis=1), mask=live)
-    for j in tl.static_range(K):  # k rounds of max-and-remove: k is small, the tile is in registers
-        best = tl.max(acc, axis=1)
-        at = tl.argmax(acc, axis=1)
-        tl.store(val_ptr + out * K + j, best, mask=live)
-        tl.store(idx_ptr + out * K + j, tile * BLOCK_V + at, mask=live)
-        acc = tl.where(cols[None, :] == at[:, None], float("-inf"), acc)
-
-
-def fused_topk(h: torch.Tensor, weight: torch.Tensor, k: int, block_v: int, warps: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probabilities, tokens) of the k most likely tokens of each row of lm_head(h): [rows, k] each."""
-    rows, hidden = h.shape
-    vocab = weight.shape[0]
-    tiles = triton.cdiv(vocab, block_v)
-    val = torch.empty(rows, tiles * k, dtype=torch.float32, device=h.device)
-    idx = torch.empty(rows, tiles * k, dtype=torch.int32, device=h.device)
-    tile_max = torch.empty(rows, tiles, dtype=torch.float32, device=h.device)
-    tile_sum = torch.empty_like(tile_max)
-    _lm_head_topk_kernel[(tiles,)](h, weight, val, idx, tile_max, tile_sum, rows, vocab, hidden, ROWS=DOT_ROWS,
-                                   BLOCK_V=block_v, BLOCK_H=BLOCK_H, K=k, num_warps=warps)
-    top = tile_max.max(dim=1, keepdim=True).values
-    log_norm = top + torch.log((tile_sum * torch.exp(tile_max - top)).sum(dim=1, keepdim=True))
-    best, pos = val.topk(k, dim=1)
-    return best - log_norm, idx.gather(1, pos).long()
 
 
 def engine_topk(h: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +45,7 @@ def engine_topk(h: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Te
 
 def compiled_us(fn) -> str:
     """Microseconds of fn compiled by inductor (as the engine compiles its drafter), or why it failed."""
+    torch._dynamo.reset()  # every case compiles the same lambda: without a reset dynamo's recompile limit ends it
     try:
         step = torch.compile(fn, fullgraph=True, dynamic=False)
         return f"{timed(lambda i: step()):.1f}"

@@ -22,7 +22,7 @@ def test_roofline_suite_reports_the_floor_the_trees_and_a_profile(tmp_path, caps
     assert min(roof["decode_tokens_per_s_runs"]) <= roof["decode_tokens_per_s"] <= max(roof["decode_tokens_per_s_runs"])
     assert roof["decode_fraction_of_floor"] == pytest.approx(roof["decode_tokens_per_s"] / roof["floor_tokens_per_s"])
     assert set(roof["verify_cost_vs_1"]) == {str(n) for n in (1, *VERIFY_TREE_SIZES)}
-    assert roof["kernel_layers"] == {"gemv_layers": 0, "fused_layers": 0, "attention_layers": 0}  # CPU: the library kernels everywhere
+    assert roof["kernel_layers"] == {"gemv_layers": 0, "fused_layers": 0, "attention_layers": 0, "draft_topk": 0}  # CPU: the library kernels everywhere
     assert roof["profile"]["steps"] == 3 and roof["profile"]["wall_ms_per_step"] > 0  # 4 tokens: prefill + 3 steps
     assert "aten::" in roof["profile"]["top_host_ops"]
     assert "plain decode profiled:" in capsys.readouterr().out

@@ -80,7 +80,7 @@ def test_failed_build_leaves_nothing(tiny_ckpt: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--dynamic-tree"], "--dynamic-tree: only EAGLE"),
+    (["--dynamic-tree"], "--dynamic-tree: only Medusa and EAGLE"),
     (["--choices", "top16"], "--choices: only Medusa and EAGLE"),
     (["--max-input-len", "4096"], "--max-input-len 4096 exceeds --max-seq-len 2048"),
     (["--speculative", "medusa"], "--speculative 'medusa'"),

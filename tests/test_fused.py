@@ -142,7 +142,7 @@ CHECK = textwrap.dedent("""
     for p in model.parameters():
         p.normal_(0, 0.3)
     assert fused.attach(model, "fused", (device,)) == {"gemv_layers": 2 * 4 + 1, "fused_layers": 2,
-                                                       "attention_layers": 2}
+                                                       "attention_layers": 2, "draft_topk": 0}
     cache = model.new_cache(80)
     prompt = torch.randint(97, (1, 70), device=device)
     model(prompt, make_context(cache, model.rotary, 0, torch.arange(70), None))
@@ -214,6 +214,34 @@ CHECK = textwrap.dedent("""
         assert tree is None or any(x.shape[1] == 1 for x in passes["off"])  # the static tree's one-node level
         for got, want in zip(passes["fused"], passes["off"]):
             close(got, want, 1e-4)
+
+    # The drafter's LM head + log-softmax + top-k in one kernel: rows up to a tile, vocabularies and
+    # hidden sizes off the tiles, against the unfused ops; then dynamic trees drafted through it.
+    from pipeline.engine.fused_kernels import lm_head_topk
+    for rows, vocab, hidden, k in ((1, 1000, 48, 8), (8, 700, 100, 4), (16, 300, 64, 10)):
+        w = (torch.randn(vocab, hidden) * hidden ** -0.5).to(half)
+        h = (torch.randn(rows, hidden) * 3).to(half)
+        logp, tok = lm_head_topk(h, w, k)
+        want_logp, want_tok = F.log_softmax(F.linear(h.float(), w.float()), dim=-1).topk(k, dim=-1)
+        assert device == "cuda" or torch.equal(tok, want_tok)  # in bf16 a near-tie may order either way
+        close(logp, want_logp, tol)
+    if device == "cpu":  # float32 through TF32 tiles on a GPU may pick another node at a near-tie
+        drafted = {}
+        for name, topk in (("torch", None), ("fused", lm_head_topk)):
+            net.draft_topk = topk
+            drafted[name] = []
+            proposer = EagleProposer(net, 200, None, DynamicTreeConfig(top_k=3, depth=3, max_non_leaves_per_layer=2), 6)
+            engine = Engine(target, _IdsOnly(), EngineLimits(1, 16, 160, 6), SpecConfig(), proposer)
+            engine.graphs = None
+
+            def record(out=drafted[name], draft=proposer.draft):
+                tree = draft()
+                out.append(tree.tokens.clone())
+                return tree
+
+            proposer.draft = record
+            engine.generate(list(range(1, 13)), SamplingParams(max_tokens=10, end_id=-1))
+        assert len(drafted["torch"]) > 2 and all(map(torch.equal, drafted["torch"], drafted["fused"]))
     print("kernels ok")
 """)
 
@@ -279,7 +307,7 @@ def tiny_config(**changes) -> ModelConfig:
 
 def test_attach_leaves_cpu_models_on_the_library_kernels():
     model = Transformer(tiny_config()).to(torch.bfloat16)
-    assert fused.attach(model, "fused") == {"gemv_layers": 0, "fused_layers": 0, "attention_layers": 0}  # CPU weights: nothing to route
+    assert fused.attach(model, "fused") == {"gemv_layers": 0, "fused_layers": 0, "attention_layers": 0, "draft_topk": 0}  # CPU weights: nothing to route
     assert all(m.gemv is None for m in model.modules() if isinstance(m, Linear))
 
 

@@ -58,6 +58,8 @@ SPEC_CASES = {
     "medusa-mc_sim_7b_63": lambda d, v: dict(medusa=make_random_medusa(d / "m", HIDDEN, v, with_lm_head=False)),
     "medusa-wide": lambda d, v: dict(medusa=make_random_medusa(d / "m", HIDDEN, v, heads=2, with_lm_head=False),
                                   choices="wide8x2", max_draft_len=16),
+    "medusa-dynamic": lambda d, v: dict(medusa=make_random_medusa(d / "m", HIDDEN, v, with_lm_head=False),
+                                     dynamic_tree=True, dynamic_top_k=4, max_draft_len=12),
     "medusa-random-lm-head": lambda d, v: dict(medusa=make_random_medusa(d / "m", HIDDEN, v), choices="top16"),
     "eagle-static": lambda d, v: dict(eagle=make_random_eagle(d / "e", HIDDEN, v, with_embedding=False)),
     "eagle-dynamic": lambda d, v: dict(eagle=make_random_eagle(d / "e", HIDDEN, v), dynamic_tree=True,
@@ -92,18 +94,20 @@ def test_draft_model_oracle_accepts_every_token(tiny_llama_dir, plain, tmp_path)
 
 class OracleMedusa(MedusaProposer):
     def __init__(self, base: MedusaProposer, ref: list[int]):
-        super().__init__(base.heads, base.tree, base.lm_head)
+        super().__init__(base.heads, base.tree, base.lm_head, base.dynamic, base.max_draft_len)
         self.ref = ref
 
     def prepare(self, step: StepInput) -> None:
         super().prepare(step)
         self.length = step.length  # a host int on the CPU
 
-    def guesses(self) -> torch.Tensor:
+    def logits(self) -> torch.Tensor:
+        """Head d is sure of the right token and has no preference among the others."""
         depth = len(self.heads)
         right = torch.tensor([self.ref[self.length + d] for d in range(1, depth + 1)])
-        wrong = (right[:, None] + torch.arange(1, self.top_k)) % self.vocab_size  # distinct from the right token
-        return torch.cat([right[:, None], wrong], dim=1)
+        out = torch.full((depth, self.vocab_size), -1.0)
+        out[torch.arange(depth), right] = 10.0
+        return out
 
 
 class OracleNet(nn.Module):
@@ -128,6 +132,9 @@ class OracleNet(nn.Module):
         out = torch.full((hidden.shape[0], self.cfg.vocab_size), -1.0)
         out[torch.arange(hidden.shape[0]), hidden[:, 0].long()] = 10.0
         return out
+
+    def top_logp(self, hidden, k):
+        return torch.log_softmax(self.logits(hidden), dim=-1).topk(k, dim=-1)
 
 
 def reference(plain: Engine, text: str, max_tokens: int) -> list[int]:
@@ -172,9 +179,10 @@ def test_a_new_proposer_gets_a_graph_step_of_its_own(tiny_llama_dir, plain, tmp_
     assert got.token_ids == free and got.stats.acceptance_length > 2
 
 
-def test_medusa_oracle_accepts_full_depth(tiny_llama_dir, plain, tmp_path):
-    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path, medusa=make_random_medusa(tmp_path / "m", HIDDEN, vocab_of(tiny_llama_dir))))
-    n, depth = 30, engine.proposer.tree.max_depth
+@pytest.mark.parametrize("case", ["medusa-mc_sim_7b_63", "medusa-dynamic"])
+def test_medusa_oracle_accepts_full_depth(case, tiny_llama_dir, plain, tmp_path):
+    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir))))
+    n, depth = 30, len(engine.proposer.heads)
     ref = reference(plain, PROMPTS[1], n + depth + 1)
     engine.proposer = OracleMedusa(engine.proposer, ref)
     got = greedy(engine, PROMPTS[1], n)
@@ -281,7 +289,7 @@ def test_tree_from_ranks_keeps_the_most_accepted_paths():
     assert expected == pytest.approx(max(expected_acceptance(ranks, list(t)) for t in closed))
 
 
-@pytest.mark.parametrize("case", ["eagle-dynamic", "eagle3-dynamic", "medusa-mc_sim_7b_63"])
+@pytest.mark.parametrize("case", ["eagle-dynamic", "eagle3-dynamic", "medusa-mc_sim_7b_63", "medusa-dynamic"])
 def test_running_ahead_changes_only_how_tokens_are_grouped(case, tiny_llama_dir, plain, tmp_path):
     """CUDA engines queue 8 greedy steps per host read (the length stays on the device); on the CPU
     4 give the tokens, stop reasons and step counts of one step at a time, with the random draft and

@@ -299,6 +299,13 @@ EAGLE_DEEP = {"num_eagle_layers": 6}
 METHODS: dict[str, Method] = {
     "plain": Method(None, None),
     "medusa": Method("medusa", "smollm2-medusa"),
+    # Portable only: EAGLE-2's selection over the heads' log-probabilities. Wide beats deep for these heads
+    # (float32, CPU, MT-bench 1-10, 63 nodes): top-k 8 2.120, 10 2.158, 16 2.210, 32 2.245; static 2.120.
+    "medusa-dynamic": Method("medusa", "smollm2-medusa",
+                             {"dynamic_tree": True, "dynamic_top_k": 32, "max_non_leaves_per_layer": 32}),
+    # 255 nodes, top-k 64: 2.508 on those turns, the 2.5 floor for Medusa; what it costs is what this measures.
+    "medusa-dynamic-xl": Method("medusa", "smollm2-medusa", {"dynamic_tree": True, "dynamic_top_k": 64,
+                                                             "max_non_leaves_per_layer": 64, "max_draft_len": 255}),
     "eagle-static": Method("eagle", "smollm2-eagle"),
     "eagle-dynamic": Method("eagle", "smollm2-eagle", {"dynamic_tree": True}),
     "eagle-dynamic-deep": Method("eagle", "smollm2-eagle",

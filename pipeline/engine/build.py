@@ -92,10 +92,11 @@ def _tree_choices(opts: BuildOptions, depth: int | None, draft_len: int, max_non
     return choices
 
 
-def _dynamic_tree(opts: BuildOptions, depth_limit: int | None, max_non_leaves: int) -> DynamicTreeConfig:
+def _dynamic_tree(opts: BuildOptions, depth_limit: int | None, max_non_leaves: int,
+                  limit_name: str = "num_eagle_layers") -> DynamicTreeConfig:
     depth = opts.dynamic_depth or depth_limit or DynamicTreeConfig.depth
     if depth_limit is not None and depth > depth_limit:
-        raise UserError(f"--dynamic-depth {depth}: exceeds num_eagle_layers {depth_limit} of the checkpoint")
+        raise UserError(f"--dynamic-depth {depth}: exceeds {limit_name} {depth_limit} of the checkpoint")
     tree = DynamicTreeConfig(top_k=opts.dynamic_top_k or DynamicTreeConfig.top_k, depth=depth,
                              max_non_leaves_per_layer=max_non_leaves)
     if min(tree.top_k, tree.depth, tree.max_non_leaves_per_layer) < 1:
@@ -119,14 +120,18 @@ def spec_from_checkpoint(config: dict[str, Any], ckpt_dir: Path, opts: BuildOpti
     kind = {"MedusaForCausalLM": "medusa", "EagleForCausalLM": "eagle"}.get(arch) or draft_kind(ckpt_dir) or "none"
     if opts.speculative == "ngram" and kind != "none":
         raise UserError(f"--speculative ngram: the checkpoint already carries a {kind} draft; use a plain checkpoint")
-    if opts.dynamic_tree and kind not in ("eagle", "eagle3"):
-        raise UserError(f"--dynamic-tree: only EAGLE checkpoints draft dynamic trees (this one is {kind})")
+    if opts.dynamic_tree and kind not in ("medusa", "eagle", "eagle3"):
+        raise UserError(f"--dynamic-tree: only Medusa and EAGLE checkpoints draft trees (this one is {kind})")
     if opts.choices and kind not in ("medusa", "eagle", "eagle3"):
         raise UserError(f"--choices: only Medusa and EAGLE checkpoints draft trees (this one is {kind})")
     acceptance = {"acceptance": opts.acceptance}
     if kind == "medusa":
         draft_len = opts.max_draft_len or config.get("max_draft_len") or DEFAULT_TREE_DRAFT_LEN
         heads = config["num_medusa_heads"]
+        if opts.dynamic_tree:
+            width = opts.max_non_leaves_per_layer or DynamicTreeConfig.max_non_leaves_per_layer
+            tree = _dynamic_tree(opts, heads, width, "num_medusa_heads")
+            return SpecConfig("medusa", draft_len, dynamic_tree=tree, num_medusa_heads=heads, **acceptance)
         return SpecConfig("medusa", draft_len, _tree_choices(opts, heads, draft_len, None), num_medusa_heads=heads, **acceptance)
     if kind in ("eagle", "eagle3"):
         draft_len = opts.max_draft_len or config.get("max_draft_len") or DEFAULT_TREE_DRAFT_LEN
@@ -183,6 +188,9 @@ def build_config(opts: BuildOptions, spec: SpecConfig, pretrained: dict[str, Any
 
 def trtllm_commands(ckpt_dir: Path, out_dir: Path, opts: BuildOptions, spec: SpecConfig) -> list[list[str]]:
     """The trtllm-build command lines: the target, plus a plain draft engine for draft-model speculation."""
+    if spec.mode == "medusa" and spec.dynamic_tree:
+        raise UserError("--dynamic-tree with Medusa runs in the portable engine only: TensorRT-LLM 1.2's Medusa "
+                        "decodes a static tree (medusa_choices); drop --dynamic-tree or use --backend portable")
     if spec.mode == "eagle3":
         raise UserError("EAGLE-3 has no TensorRT engine in TensorRT-LLM 1.2: serve it with the PyTorch backend's "
                         f"Eagle3DecodingConfig(speculative_model='{ckpt_dir / DRAFT_DIR}') or use --backend portable")
@@ -293,7 +301,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seq-len", type=int, default=BuildOptions.max_seq_len)
     p.add_argument("--max-draft-len", type=int, help="draft tokens per step (default: checkpoint's, or 4 for a draft model)")
     p.add_argument("--choices", help="tree: preset (mc_sim_7b_63, top16, ...), chain:N, a literal list or a file")
-    p.add_argument("--dynamic-tree", action="store_true", help="EAGLE-2 dynamic trees instead of static choices")
+    p.add_argument("--dynamic-tree", action="store_true",
+                   help="EAGLE-2 dynamic trees instead of static choices (Medusa: portable backend only)")
     p.add_argument("--dynamic-top-k", type=int)
     p.add_argument("--dynamic-depth", type=int)
     p.add_argument("--max-non-leaves-per-layer", type=int)

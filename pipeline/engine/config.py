@@ -58,7 +58,7 @@ class SpecConfig:
     mode: str = "none"
     max_draft_len: int = 0
     choices: list[list[int]] | None = None  # static tree (medusa, eagle); chains for draft_model
-    dynamic_tree: DynamicTreeConfig | None = None  # eagle / eagle3 with EAGLE-2 trees
+    dynamic_tree: DynamicTreeConfig | None = None  # eagle / eagle3 / medusa (portable) with EAGLE-2 trees
     num_medusa_heads: int = 0
     ngram: NgramConfig | None = None
     # "lossless": speculative sampling that keeps the target's distribution (greedy: exact).

@@ -19,15 +19,12 @@ from torch import nn
 
 from pipeline.engine.acceptance import Acceptance
 from pipeline.engine.config import DynamicTreeConfig
+from pipeline.engine.fused import DRAFT_TOPK_MAX_ROWS
 from pipeline.engine.graphs import CapturedStep, Compiled, prefill_bucket
 from pipeline.engine.model import (Attention, DecoderLayer, ForwardContext, KVCache, Linear, MLP, ModelConfig,
                                    RMSNorm, Rotary, full_slot_context, make_context)
 from pipeline.engine.speculative import StepInput, TargetPass
-from pipeline.engine.tree import DraftTree, TreeBuffers, ancestor_mask
-
-# Subtracted per depth from path scores so that a child never outranks its parent on a tie:
-# the kept set of an EAGLE-2 tree is then always closed under prefixes.
-DEPTH_TIE_BREAK = 1e-4
+from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree
 
 
 class EagleNet(nn.Module):
@@ -42,6 +39,7 @@ class EagleNet(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, input_norm=i > 0) for i in range(cfg.num_layers))
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.draft_topk = None  # fused.attach: the LM head + log-softmax + top-k kernel, where it runs
 
     def target_features(self, target: TargetPass) -> torch.Tensor:
         return target.hidden
@@ -54,6 +52,12 @@ class EagleNet(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def top_logp(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probabilities, tokens) of each row's k likeliest next tokens, best first."""
+        if self.draft_topk is None or hidden.shape[0] > DRAFT_TOPK_MAX_ROWS:
+            return F.log_softmax(self.logits(hidden), dim=-1).topk(k, dim=-1)
+        return self.draft_topk(hidden, self.lm_head.weight, k)
 
 
 class Eagle3Layer(nn.Module):
@@ -90,6 +94,7 @@ class Eagle3Net(nn.Module):
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.identity_vocab = draft_vocab == cfg.vocab_size  # host flag: no data-dependent branch in a graph
         self.rotary = Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.draft_topk = None  # as EagleNet's
 
     def set_d2t(self, d2t: torch.Tensor) -> None:
         self.d2t.copy_(d2t.long())
@@ -111,6 +116,13 @@ class Eagle3Net(nn.Module):
         full = torch.full((*draft.shape[:-1], self.cfg.vocab_size), float("-inf"), device=draft.device)
         ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t
         return full.index_copy(-1, ids, draft)
+
+    def top_logp(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As EagleNet's, over the draft vocabulary, its ids mapped to the target's."""
+        if self.draft_topk is None or hidden.shape[0] > DRAFT_TOPK_MAX_ROWS:
+            return F.log_softmax(self.logits(hidden), dim=-1).topk(k, dim=-1)
+        logp, ids = self.draft_topk(self.norm(hidden), self.lm_head.weight, k)
+        return logp, ids + self.d2t[ids]
 
 
 def new_draft_cache(net: nn.Module, slots: int) -> KVCache:
@@ -253,8 +265,7 @@ class EagleProposer:
     def _dynamic(self, root_hidden: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cfg, device, width = self.dynamic, root_hidden.device, self.width
         k = cfg.top_k
-        logp = F.log_softmax(self.net.logits(root_hidden), dim=-1)[0]
-        score, token = logp.topk(k)
+        score, token = (t[0] for t in self.net.top_logp(root_hidden, k))
         cand_tokens, cand_scores = [token], [score]
         cand_parents = [torch.full((k,), -1, device=device)]
         cand_depths = [torch.ones(k, dtype=torch.long, device=device)]
@@ -268,8 +279,7 @@ class EagleProposer:
             rows = torch.cat([rows[:, :lo], own, rows[:, lo + width:]], dim=1)
             out = self._draft(torch.cat(cand_tokens)[frontier], frontier_hidden, length, depth,
                               lo + self.width_offsets, rows)
-            logp = F.log_softmax(self.net.logits(out), dim=-1)
-            child_logp, child_token = logp.topk(k, dim=-1)  # [width, k]
+            child_logp, child_token = self.net.top_logp(out, k)  # [width, k]
             child_score = (torch.cat(cand_scores)[frontier][:, None] + child_logp).flatten()
             cand_tokens.append(child_token.flatten())
             cand_scores.append(child_score)
@@ -280,20 +290,5 @@ class EagleProposer:
             frontier_hidden = out[best // k]
             rows = rows[best // k]
             total += width * k
-        return self._select(torch.cat(cand_tokens), torch.cat(cand_parents), torch.cat(cand_depths),
-                            torch.cat(cand_scores), cfg.depth)
-
-    def _select(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
-                max_depth: int) -> tuple[torch.Tensor, ...]:
-        """Keep the max_draft_len best candidates, ordered by depth, as a tree under the root:
-        (tokens, parents, depths, ancestor mask)."""
-        count = tokens.shape[0]
-        keep = (scores - DEPTH_TIE_BREAK * depths).topk(min(self.max_draft_len, count)).indices
-        keep = keep[torch.argsort(depths[keep] * count + keep)]
-        new_index = torch.zeros(count, dtype=torch.long, device=tokens.device)
-        new_index[keep] = torch.arange(1, keep.shape[0] + 1, device=tokens.device)
-        kept_parents = torch.where(parents[keep] >= 0, new_index[parents[keep].clamp(min=0)], 0)
-        tree_parents = torch.cat([kept_parents.new_full((1,), -1), kept_parents])
-        tree_depths = torch.cat([depths.new_zeros(1), depths[keep]])
-        return (torch.cat([self.root, tokens[keep]]), tree_parents, tree_depths,
-                ancestor_mask(tree_parents, max_depth))
+        return select_tree(self.root, torch.cat(cand_tokens), torch.cat(cand_parents), torch.cat(cand_depths),
+                           torch.cat(cand_scores), self.max_draft_len, cfg.depth)

@@ -25,7 +25,8 @@ passes too), like a single token's, goes through the slot-attention kernel whene
 call it: it reads the accepted text and the step's own region of slots through the tree mask,
 instead of SDPA over every cache slot with a mask (42 us a layer for SmolLM2's 64-node trees, most
 of an EAGLE step). It serves every CUDA dtype. Prefills stay on SDPA; CPU models never change.
-`SPECPIPE_KERNELS` picks the level (fused, gemv, off; off also keeps SDPA for trees). With
+`SPECPIPE_KERNELS` picks the level (fused, gemv, off; off also keeps SDPA for trees).
+`SPECPIPE_DRAFT_TOPK=fused` also sends an EAGLE drafter's LM head and top-k to one kernel (see DRAFT_TOPK_ENV). With
 TRITON_INTERPRET=1 the kernels run on CPU tensors: the tests do that.
 """
 
@@ -108,6 +109,18 @@ ROWS_GEMM_MAX_TOKENS = 64  # one tile of x's rows: every weight tile is read onc
 ROWS_GEMM_GATED_TILE = (64, 64, 4, 4)
 ROWS_GEMM_TILE = (32, 256, 4, 4)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+# An EAGLE drafter's LM head, log-softmax and top-k at every draft depth in one kernel (draft_topk): each
+# program takes DRAFT_TOPK_TILE vocabulary rows, computes their logits for all the depth's rows (at most
+# DRAFT_TOPK_MAX_ROWS, one tl.dot tile) and keeps the tile's k best, maximum and sum of exponentials, so
+# the [rows, vocab] logits are never written and torch.topk sorts tiles x k candidates, not the
+# vocabulary. H200, build/probe_draft_topk.py, both sides through torch.compile: 45.9 against 83.7 us a
+# depth at SmolLM2's shape (8 rows, k 8); 256 rows and 4 warps a program was the best of three.
+# Off by default (SPECPIPE_DRAFT_TOPK=fused turns it on) until it is measured inside the engine's graph.
+DRAFT_TOPK_ENV = "SPECPIPE_DRAFT_TOPK"
+DRAFT_TOPK_TILE = 256
+DRAFT_TOPK_WARPS = 4
+DRAFT_TOPK_MAX_ROWS = 16
+DRAFT_TOPK_BLOCK_H = 64
 
 
 def level() -> str:
@@ -117,12 +130,29 @@ def level() -> str:
     return value if importlib.util.find_spec("triton") is not None else "off"
 
 
-def attach(model: nn.Module, kernels: str | None = None, device_types: tuple[str, ...] = ("cuda",)) -> dict[str, int]:
+def draft_topk_enabled() -> bool:
+    value = os.environ.get(DRAFT_TOPK_ENV) or "torch"
+    if value not in ("fused", "torch"):
+        raise UserError(f"{DRAFT_TOPK_ENV}={value}: use fused or torch")
+    return value == "fused"
+
+
+def attach(model: nn.Module, kernels: str | None = None, device_types: tuple[str, ...] = ("cuda",),
+           draft_topk: bool | None = None) -> dict[str, int]:
     """Route `model`'s single-token work, and the attention of its graph steps, through the kernels
-    at `kernels` (default: the environment's level). Returns how many Linear layers use the GEMV, how
-    many decoder layers run fused and how many attention layers read through slot_attention.
-    Calling it again with another level re-routes (the benchmark compares levels on one model)."""
+    at `kernels` (default: the environment's level), and an EAGLE drafter's top-k through draft_topk
+    (default: SPECPIPE_DRAFT_TOPK). Returns how many Linear layers use the GEMV, how many decoder layers
+    run fused, how many attention layers read through slot_attention and how many drafters use the
+    fused top-k. Calling it again with another level re-routes (the benchmark compares levels on one model)."""
     kernels = kernels or level()
+    draft_topk = draft_topk_enabled() if draft_topk is None else draft_topk
+    drafters = [m for m in model.modules() if hasattr(m, "draft_topk") and m.lm_head.weight.device.type in device_types
+                and m.lm_head.weight.dtype in HALF_DTYPES]
+    topk = None
+    if kernels != "off" and draft_topk and drafters:
+        from pipeline.engine.fused_kernels import lm_head_topk as topk
+    for m in drafters:
+        m.draft_topk = topk
     attentions = [m for m in model.modules() if isinstance(m, Attention) and m.qkv.weight.device.type in device_types]
     slot_attention = None
     if kernels != "off" and attentions:
@@ -145,7 +175,8 @@ def attach(model: nn.Module, kernels: str | None = None, device_types: tuple[str
         m.fused = single_token_layer if m in fused else None
         m.fused_mlp = several_token_mlp if m in fused else None
     return {"gemv_layers": len(linears) if gemv else 0, "fused_layers": len(fused),
-            "attention_layers": sum(m.slot_attention is not None for m in attentions)}
+            "attention_layers": sum(m.slot_attention is not None for m in attentions),
+            "draft_topk": len(drafters) if topk else 0}
 
 
 def fusable(layer: DecoderLayer) -> bool:

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from pipeline.engine.fused import (ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_SPLITS, ATTENTION_PROGRAMS, BLOCK_K,
-                                   BLOCK_ROWS, FLOAT32_DOT, NUM_WARPS, ROWS_GEMM_GATED_TILE, ROWS_GEMM_MAX_TOKENS,
+                                   BLOCK_ROWS, DRAFT_TOPK_BLOCK_H, DRAFT_TOPK_MAX_ROWS, DRAFT_TOPK_TILE,
+                                   DRAFT_TOPK_WARPS, FLOAT32_DOT, NUM_WARPS, ROWS_GEMM_GATED_TILE, ROWS_GEMM_MAX_TOKENS,
                                    ROWS_GEMM_TILE, TREE_BLOCK_ROWS, TREE_BLOCK_SLOTS, TREE_MAX_BLOCKS_PER_SPLIT,
                                    TREE_MIN_BLOCKS_PER_SPLIT, TREE_MIN_ROWS)
 
@@ -485,3 +486,68 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
       rows: torch.Tensor | None) -> torch.Tensor:
     return q.new_empty(q.shape)
+
+
+@triton.jit
+def _lm_head_topk_kernel(h_ptr, w_ptr, val_ptr, idx_ptr, max_ptr, sum_ptr, rows, vocab, hidden,
+                         ROWS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr):
+    """One vocabulary tile for every row: logits in float32, then the tile's k best (value, token), its
+    maximum and its sum of exp(logit - maximum), at [row, tile] of the outputs."""
+    tile = tl.program_id(0)
+    tiles = tl.num_programs(0)
+    r = tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_V)
+    v = tile * BLOCK_V + cols
+    acc = tl.zeros((ROWS, BLOCK_V), tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        c = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(h_ptr + r[:, None] * hidden + c[None, :], mask=(r[:, None] < rows) & (c[None, :] < hidden),
+                    other=0.0)
+        w = tl.load(w_ptr + v[:, None] * hidden + c[None, :], mask=(v[:, None] < vocab) & (c[None, :] < hidden),
+                    other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    acc = tl.where(v[None, :] < vocab, acc, float("-inf"))
+    live = r < rows
+    out = r * tiles + tile
+    top = tl.max(acc, axis=1)
+    tl.store(max_ptr + out, top, mask=live)
+    tl.store(sum_ptr + out, tl.sum(tl.exp(acc - top[:, None]), axis=1), mask=live)
+    for j in tl.static_range(K):  # k rounds of max-and-remove: k is small, the tile is in registers
+        best = tl.max(acc, axis=1)
+        at = tl.argmax(acc, axis=1)
+        tl.store(val_ptr + out * K + j, best, mask=live)
+        tl.store(idx_ptr + out * K + j, tile * BLOCK_V + at, mask=live)
+        acc = tl.where(cols[None, :] == at[:, None], float("-inf"), acc)
+
+
+def tiled_topk(h: torch.Tensor, weight: torch.Tensor, k: int, block_v: int = DRAFT_TOPK_TILE,
+               warps: int = DRAFT_TOPK_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """lm_head_topk with a chosen tile and warp count (build/probe_draft_topk.py compares them)."""
+    rows, hidden = h.shape
+    assert rows <= DRAFT_TOPK_MAX_ROWS, "one tl.dot tile of rows"
+    h, weight = h.contiguous(), weight.contiguous()
+    vocab = weight.shape[0]
+    tiles = triton.cdiv(vocab, block_v)
+    val = torch.empty(rows, tiles * k, dtype=torch.float32, device=h.device)
+    idx = torch.empty(rows, tiles * k, dtype=torch.int32, device=h.device)
+    tile_max = torch.empty(rows, tiles, dtype=torch.float32, device=h.device)
+    tile_sum = torch.empty_like(tile_max)
+    _lm_head_topk_kernel[(tiles,)](h, weight, val, idx, tile_max, tile_sum, rows, vocab, hidden,
+                                   ROWS=DRAFT_TOPK_MAX_ROWS, BLOCK_V=block_v, BLOCK_H=DRAFT_TOPK_BLOCK_H, K=k,
+                                   num_warps=warps)
+    top = tile_max.max(dim=1, keepdim=True).values
+    log_norm = top + torch.log((tile_sum * torch.exp(tile_max - top)).sum(dim=1, keepdim=True))
+    best, pos = val.topk(k, dim=1)
+    return best - log_norm, idx.gather(1, pos).long()
+
+
+@torch.library.custom_op("specpipe::lm_head_topk", mutates_args=())
+def lm_head_topk(h: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities float32, tokens) of the k most likely tokens of each row of h [rows, H] @ weight.T,
+    [rows, k] each, best first: log_softmax(F.linear(h, weight).float()).topk(k) without the logits."""
+    return tiled_topk(h, weight, k)
+
+
+@lm_head_topk.register_fake
+def _(h: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (h.new_empty(h.shape[0], k, dtype=torch.float32), h.new_empty(h.shape[0], k, dtype=torch.long))

@@ -75,8 +75,9 @@ def make_proposer(engine: EngineDir, config: dict, tensors: dict[str, torch.Tens
         if shared:
             for head in heads:
                 head.lm_head = None
-        return MedusaProposer(_ready(heads, device, dtype), build_tree(spec.choices).to(device),
-                              target.lm_head if shared else None)
+        tree = None if spec.dynamic_tree else build_tree(spec.choices).to(device)
+        return MedusaProposer(_ready(heads, device, dtype), tree, target.lm_head if shared else None,
+                              spec.dynamic_tree, spec.max_draft_len)
     if spec.mode == "eagle":
         net = EagleNet(model_config(config["eagle_net_config"], tensors, max_positions(engine)),
                        fc_bias="eagle_nets.0.drafter.fc.bias" in tensors)

@@ -2,18 +2,22 @@
 
 Head h applied to the hidden state that produced token t+1 guesses token t+2+h. Every node at
 depth d of the tree takes the rank-th best guess of head d-1, so one head call per step fills the
-whole static tree.
+whole tree. The tree is static (medusa_choices, as TensorRT-LLM runs it) or dynamic (portable engine
+only): EAGLE-2's selection over the heads' log-probabilities, a path's score being the sum of its
+tokens' log-probabilities under their heads, so each step spends its nodes where the heads are sure.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pipeline.engine.acceptance import Acceptance
+from pipeline.engine.config import DynamicTreeConfig
 from pipeline.engine.model import SUPPORTED_ACTIVATIONS, Linear
 from pipeline.engine.speculative import StepInput, TargetPass
-from pipeline.engine.tree import DraftTree, TreeBuffers
+from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree
 
 
 class ResBlock(nn.Module):
@@ -56,16 +60,25 @@ class MedusaProposer:
     # one replay 1.32 ms).
     drafts_from_buffers = True
 
-    def __init__(self, heads: nn.ModuleList, tree: TreeBuffers, lm_head: Linear | None = None):
-        """lm_head: one LM head for every head (the target's, when the heads' copies equal it), so that a
+    def __init__(self, heads: nn.ModuleList, tree: TreeBuffers | None, lm_head: Linear | None = None,
+                 dynamic: DynamicTreeConfig | None = None, max_draft_len: int = 0):
+        """tree: the static tree, or None with `dynamic` (and max_draft_len nodes kept a step).
+        lm_head: one LM head for every head (the target's, when the heads' copies equal it), so that a
         step reads it once for all depths instead of once a head: on the CPU four float32 copies of
         SmolLM2's are 453 MB of reads a step beside the target's 540 (Medusa 10.6 -> 11.5 tok/s)."""
-        self.heads = heads[:tree.max_depth]  # deeper heads have no node to fill
+        self.tree, self.dynamic = tree, dynamic
+        self.max_draft_len = tree.num_nodes - 1 if tree is not None else max_draft_len
+        depth = tree.max_depth if tree is not None else min(dynamic.depth, len(heads))
+        self.heads = heads[:depth]  # deeper heads have no node to fill
         self.lm_head = lm_head
-        self.tree = tree
-        self.top_k = int(tree.ranks.max()) + 1
-        self.node_head = (tree.depths - 1).clamp(min=0)
-        self.max_nodes = tree.num_nodes
+        if tree is not None:
+            self.top_k = int(tree.ranks.max()) + 1
+            self.node_head = (tree.depths - 1).clamp(min=0)
+            self.max_nodes = tree.num_nodes
+        else:
+            self.top_k = dynamic.top_k
+            self.width = min(dynamic.top_k, dynamic.max_non_leaves_per_layer)
+            self.max_nodes = max_draft_len + 1
         weight = (lm_head or self.heads[0].lm_head).weight
         self.vocab_size = weight.shape[0]
         self.hidden = weight.new_zeros(1, weight.shape[1])  # [1, H] hidden state of the last accepted token
@@ -74,13 +87,15 @@ class MedusaProposer:
     def start(self, prompt: torch.Tensor, target: TargetPass, first: torch.Tensor) -> None:
         self.hidden.copy_(target.hidden[-1:])
 
+    def logits(self) -> torch.Tensor:
+        """[depth, vocab]: head d's logits for the token d+1 places after the root."""
+        if self.lm_head is not None:
+            return self.lm_head(torch.cat([head.features(self.hidden) for head in self.heads]))
+        return torch.cat([head(self.hidden) for head in self.heads])
+
     def guesses(self) -> torch.Tensor:
         """[depth, top_k] token ids: head d's best guesses for the token d+1 places after the root."""
-        if self.lm_head is not None:
-            logits = self.lm_head(torch.cat([head.features(self.hidden) for head in self.heads]))
-        else:
-            logits = torch.cat([head(self.hidden) for head in self.heads])
-        return logits.topk(self.top_k, dim=-1).indices
+        return self.logits().topk(self.top_k, dim=-1).indices
 
     def propose(self, step: StepInput) -> DraftTree:
         self.prepare(step)
@@ -91,8 +106,32 @@ class MedusaProposer:
 
     def draft(self) -> DraftTree:
         """The tree from the static buffers alone (see drafts_from_buffers)."""
+        if self.tree is None:
+            return DraftTree(*self._dynamic(), len(self.heads))
         tokens = self.guesses()[self.node_head, self.tree.ranks]
         return DraftTree.from_buffers(torch.cat([self.root, tokens[1:]]), self.tree)
+
+    def _dynamic(self) -> tuple[torch.Tensor, ...]:
+        """Candidates depth by depth, each frontier node taking head d's top-k as its children (the heads
+        see only the root's hidden state, so every parent gets the same ones); the `width` best of a depth
+        are the next frontier, as in EAGLE-2, and select_tree keeps the max_draft_len best of all."""
+        logp, token = F.log_softmax(self.logits().float(), dim=-1).topk(self.top_k, dim=-1)  # [depth, k]
+        k, width, device = self.top_k, self.width, logp.device
+        cand_tokens, cand_scores = [token[0]], [logp[0]]
+        cand_parents = [torch.full((k,), -1, device=device)]
+        cand_depths = [torch.ones(k, dtype=torch.long, device=device)]
+        frontier = logp[0].topk(width).indices
+        total = k
+        for depth in range(1, len(self.heads)):
+            child_score = (torch.cat(cand_scores)[frontier][:, None] + logp[depth]).flatten()  # [width * k]
+            cand_tokens.append(token[depth].repeat(width))
+            cand_scores.append(child_score)
+            cand_parents.append(frontier.repeat_interleave(k))
+            cand_depths.append(torch.full((width * k,), depth + 1, device=device))
+            frontier = total + child_score.topk(width).indices
+            total += width * k
+        return select_tree(self.root, torch.cat(cand_tokens), torch.cat(cand_parents), torch.cat(cand_depths),
+                           torch.cat(cand_scores), self.max_draft_len, len(self.heads))
 
     def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int | torch.Tensor, target: TargetPass,
                length: int | torch.Tensor) -> None:

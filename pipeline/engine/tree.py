@@ -233,3 +233,24 @@ def chain_buffers(length: int, device: torch.device | str = "cpu") -> TreeBuffer
         parents=torch.tensor([-1], device=device), depths=torch.zeros(1, dtype=torch.long, device=device),
         ranks=torch.zeros(1, dtype=torch.long, device=device), mask=torch.ones(1, 1, dtype=torch.bool, device=device),
         retrieve_paths=torch.zeros(1, 1, dtype=torch.long, device=device), max_depth=0)
+
+
+# Subtracted per depth from path scores so that a child never outranks its parent on a tie:
+# the kept set of a dynamic tree is then always closed under prefixes.
+DEPTH_TIE_BREAK = 1e-4
+
+
+def select_tree(root: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                scores: torch.Tensor, max_draft_len: int, max_depth: int) -> tuple[torch.Tensor, ...]:
+    """A dynamic tree (EAGLE-2's selection) from candidates whose parents are candidate ids (-1: the root)
+    and whose scores are path log-probabilities: the max_draft_len best, ordered by depth, under `root`.
+    Returns (tokens, parents, depths, ancestor mask), the root at node 0."""
+    count = tokens.shape[0]
+    keep = (scores - DEPTH_TIE_BREAK * depths).topk(min(max_draft_len, count)).indices
+    keep = keep[torch.argsort(depths[keep] * count + keep)]
+    new_index = torch.zeros(count, dtype=torch.long, device=tokens.device)
+    new_index[keep] = torch.arange(1, keep.shape[0] + 1, device=tokens.device)
+    kept_parents = torch.where(parents[keep] >= 0, new_index[parents[keep].clamp(min=0)], 0)
+    tree_parents = torch.cat([kept_parents.new_full((1,), -1), kept_parents])
+    tree_depths = torch.cat([depths.new_zeros(1), depths[keep]])
+    return torch.cat([root, tokens[keep]]), tree_parents, tree_depths, ancestor_mask(tree_parents, max_depth)
