@@ -114,6 +114,13 @@ def test_medusa_engine_and_trtllm_command(target, tmp_path: Path, capsys: pytest
     with pytest.raises(UserError, match="63 nodes exceed max_draft_len 8"):
         build_engine(ckpt, tmp_path / "e2", opts=BuildOptions(max_draft_len=8))
     assert_no_output(tmp_path / "e2")
+    dynamic = EngineDir.load(build_engine(ckpt, tmp_path / "dyn", opts=BuildOptions(dynamic_tree=True, dynamic_top_k=16)))
+    assert dynamic.spec.choices is None and dynamic.spec.dynamic_tree.depth == 4 and dynamic.spec.dynamic_tree.top_k == 16
+    with pytest.raises(UserError, match="Medusa runs in the portable engine only"):  # TensorRT-LLM's Medusa is static
+        build_engine(ckpt, tmp_path / "t2", "trtllm", BuildOptions(dynamic_tree=True), dry_run=True)
+    with pytest.raises(UserError, match="exceeds num_medusa_heads 4"):
+        build_engine(ckpt, tmp_path / "e3", opts=BuildOptions(dynamic_tree=True, dynamic_depth=5))
+    assert_no_output(tmp_path / "e3")
 
 
 # ---- EAGLE-1/2 ----
