@@ -5,32 +5,43 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Callable
 
 from pipeline.errors import USER_ERROR_EXIT_CODE, UserError
 
-# Modules exposing `register(subparsers)`; each sets `func(args) -> int | None` on its parsers.
-COMMAND_MODULES = (
-    "pipeline.convert.cli",  # convert
-    "pipeline.engine.build",  # build
-    "pipeline.engine.cli",  # generate, eval-acceptance
-    "pipeline.triton.cli",  # triton-repo, serve
-    "pipeline.client.cli",  # client, verify
-    "pipeline.bench.cli",  # bench, compare
-)
+# Modules exposing `register(subparsers)`; each sets `func(args) -> int | None` on its parsers. The command
+# names let the others run where one module's dependency is missing (a GPU image without tritonclient).
+COMMAND_MODULES = {
+    "pipeline.convert.cli": ("convert",),
+    "pipeline.engine.build": ("build",),
+    "pipeline.engine.cli": ("generate", "eval-acceptance"),
+    "pipeline.triton.cli": ("triton-repo", "serve"),
+    "pipeline.client.cli": ("client", "verify"),
+    "pipeline.bench.cli": ("bench", "compare"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specpipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name, commands in COMMAND_MODULES.items():
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name != name:  # a real missing dependency inside an existing module
+            package = (exc.name or "pipeline").split(".")[0]
+            if package == "pipeline":
                 raise
+            for command in commands:
+                sub.add_parser(command, help=f"(needs {package})").set_defaults(func=_missing(package))
             continue
         module.register(sub)
     return parser
+
+
+def _missing(package: str) -> Callable[[argparse.Namespace], int]:
+    def fail(args: argparse.Namespace) -> int:
+        raise UserError(f"needs the Python package {package}, which is not installed; run `make setup`")
+    return fail
 
 
 def main(argv: list[str] | None = None) -> int:

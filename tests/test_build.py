@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from pipeline.convert.checkpoint import read_checkpoint
 from pipeline.convert.convert import convert
 from pipeline.engine.build import BuildOptions, build_engine
 from pipeline.engine.config import TRTLLM_SPEC_MODE_FLAGS, EngineDir
-from pipeline.errors import UserError
+from pipeline.errors import USER_ERROR_EXIT_CODE, UserError
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +106,19 @@ def test_smollm2_engine_dir(smollm2_engine_dir: Path) -> None:
     engine = EngineDir.load(smollm2_engine_dir)
     assert engine.pretrained_config["vocab_size"] == 49152 and engine.spec.mode == "none"
     assert (engine.tokenizer_dir / "tokenizer.json").is_file()
+
+
+def test_cli_runs_without_an_optional_package(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """Where tritonclient is missing (the GPU image), the engine commands still run and the Triton ones
+    say what is missing."""
+    code = ("import sys; sys.modules['tritonclient'] = None; from pipeline.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    run = [sys.executable, "-c", code]
+    built = subprocess.run(run + ["build", "--checkpoint", str(tiny_ckpt), "--output", str(tmp_path / "e")],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    assert (tmp_path / "e" / "config.json").is_file()
+    assert "(needs tritonclient)" in subprocess.run(run + ["--help"], capture_output=True, text=True).stdout
+    served = subprocess.run(run + ["serve"], capture_output=True, text=True)
+    assert served.returncode == USER_ERROR_EXIT_CODE
+    assert "needs the Python package tritonclient" in served.stderr and "make setup" in served.stderr

@@ -23,10 +23,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -289,6 +290,7 @@ class Method:
     draft_dir: str | None  # folder under --drafts
     build: dict[str, Any] = field(default_factory=dict)  # BuildOptions fields
     convert: dict[str, Any] = field(default_factory=dict)  # DraftInputs numbers
+    env: dict[str, str] = field(default_factory=dict)  # set while the engine loads and captures its graphs
 
     def checkpoint_key(self) -> str:
         return f"{self.draft or 'none'}-" + "-".join(f"{k}{v}" for k, v in sorted(self.convert.items()))
@@ -296,6 +298,7 @@ class Method:
 
 # EAGLE-1 drafts get one copy per tree depth at conversion (num_eagle_layers), which bounds the depth.
 EAGLE_DEEP = {"num_eagle_layers": 6}
+UNFUSED_DRAFT_TOPK = {fused.DRAFT_TOPK_ENV: "torch"}
 METHODS: dict[str, Method] = {
     "plain": Method(None, None),
     "medusa": Method("medusa", "smollm2-medusa"),
@@ -303,13 +306,17 @@ METHODS: dict[str, Method] = {
     # (float32, CPU, MT-bench 1-10, 63 nodes): top-k 8 2.120, 10 2.158, 16 2.210, 32 2.245; static 2.120.
     "medusa-dynamic": Method("medusa", "smollm2-medusa",
                              {"dynamic_tree": True, "dynamic_top_k": 32, "max_non_leaves_per_layer": 32}),
-    # 255 nodes, top-k 64: 2.508 on those turns, the 2.5 floor for Medusa; what it costs is what this measures.
-    "medusa-dynamic-xl": Method("medusa", "smollm2-medusa", {"dynamic_tree": True, "dynamic_top_k": 64,
-                                                             "max_non_leaves_per_layer": 64, "max_draft_len": 255}),
+    # H200, 80 turns (session r): 2.217, 1.08x plain in bf16. The widest tree a graph replays: with top-k 64
+    # 2.538 in bf16 (0.90x plain) but 2.498 in float32; top-k 128 2.511 in float32 (2.539 bf16), 255 no more.
+    "medusa-dynamic-xl": Method("medusa", "smollm2-medusa", {"dynamic_tree": True, "dynamic_top_k": 128,
+                                                             "max_non_leaves_per_layer": 128, "max_draft_len": 255}),
     "eagle-static": Method("eagle", "smollm2-eagle"),
     "eagle-dynamic": Method("eagle", "smollm2-eagle", {"dynamic_tree": True}),
     "eagle-dynamic-deep": Method("eagle", "smollm2-eagle",
                                  {"dynamic_tree": True, "dynamic_depth": 6, "dynamic_top_k": 10}, EAGLE_DEEP),
+    # The drafter's LM head, log-softmax and torch.topk as three ops (fused.DRAFT_TOPK_ENV), beside the
+    # default's one kernel: 1975 against 2104 tokens/s on the H200 (session r, BENCHMARKS.md §2).
+    "eagle-dynamic-unfused": Method("eagle", "smollm2-eagle", {"dynamic_tree": True}, env=UNFUSED_DRAFT_TOPK),
     # The widest tree a graph replays (MAX_GRAPH_TOKENS): acceptance 3.54 against 3.08 for the deep tree
     # on MT-bench questions 1-12, 3.44 over 1-36 (CPU, 2026-11-30); whether its 11 draft passes pay is
     # what this row measures.
@@ -360,6 +367,20 @@ def build_engines(cfg: BenchConfig, source: Any, names: list[str]) -> dict[str, 
     return engines
 
 
+@contextmanager
+def env_vars(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def chat_ids(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     from pipeline.engine.cli import prompt_ids
 
@@ -399,9 +420,10 @@ def run_group(names: list[str], engine_dirs: dict[str, Path], prompts: list[list
             engines.pop(name, None)
 
     def warmed(name: str) -> Engine:
-        engine = Engine.from_dir(engine_dirs[name], device=str(device))
-        with torch.inference_mode():
-            engine.generate(prompts[0], SamplingParams(max_tokens=32, end_id=-1))  # warm-up: graphs, kernels
+        with env_vars(METHODS[name].env):
+            engine = Engine.from_dir(engine_dirs[name], device=str(device))
+            with torch.inference_mode():
+                engine.generate(prompts[0], SamplingParams(max_tokens=32, end_id=-1))  # warm-up: graphs, kernels
         return engine
 
     def timed(name: str, ids: list[int]) -> None:
@@ -436,7 +458,8 @@ def run_group(names: list[str], engine_dirs: dict[str, Path], prompts: list[list
         tokens, seconds = sum(len(o) for o in run["outputs"]), sum(run["request_s"])
         results[name] = {
             "method": name, "spec_mode": METHODS[name].draft or METHODS[name].build.get("speculative", "none"),
-            "build": METHODS[name].build, "convert": METHODS[name].convert, "prompts": len(run["outputs"]),
+            "build": METHODS[name].build, "convert": METHODS[name].convert, "env": METHODS[name].env,
+            "prompts": len(run["outputs"]),
             "interleaved_with": [n for n in names if n != name and n not in failed],
             "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "request_s": run["request_s"],  # per prompt, in order: runs compare on the prompts both ran

@@ -26,7 +26,7 @@ call it: it reads the accepted text and the step's own region of slots through t
 instead of SDPA over every cache slot with a mask (42 us a layer for SmolLM2's 64-node trees, most
 of an EAGLE step). It serves every CUDA dtype. Prefills stay on SDPA; CPU models never change.
 `SPECPIPE_KERNELS` picks the level (fused, gemv, off; off also keeps SDPA for trees).
-`SPECPIPE_DRAFT_TOPK=fused` also sends an EAGLE drafter's LM head and top-k to one kernel (see DRAFT_TOPK_ENV). With
+An EAGLE drafter's LM head and top-k run as one kernel (see DRAFT_TOPK_ENV; SPECPIPE_DRAFT_TOPK=torch: not). With
 TRITON_INTERPRET=1 the kernels run on CPU tensors: the tests do that.
 """
 
@@ -113,9 +113,10 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 # program takes DRAFT_TOPK_TILE vocabulary rows, computes their logits for all the depth's rows (at most
 # DRAFT_TOPK_MAX_ROWS, one tl.dot tile) and keeps the tile's k best, maximum and sum of exponentials, so
 # the [rows, vocab] logits are never written and torch.topk sorts tiles x k candidates, not the
-# vocabulary. H200, build/probe_draft_topk.py, both sides through torch.compile: 45.9 against 83.7 us a
-# depth at SmolLM2's shape (8 rows, k 8); 256 rows and 4 warps a program was the best of three.
-# Off by default (SPECPIPE_DRAFT_TOPK=fused turns it on) until it is measured inside the engine's graph.
+# vocabulary. H200, build/probe_draft_topk.py, both sides through torch.compile: 45.5 against 83.0 us a
+# depth at SmolLM2's shape (8 rows, k 8); 256 rows and 4 warps a program was the best of three. Inside the
+# engine (SmolLM2 + EAGLE dynamic, bf16, 80 MT-bench turns, session r): 1975 -> 2104 tokens/s, 1.55x -> 1.65x
+# plain, same trees. On by default; SPECPIPE_DRAFT_TOPK=torch keeps the LM head, log-softmax and torch.topk.
 DRAFT_TOPK_ENV = "SPECPIPE_DRAFT_TOPK"
 DRAFT_TOPK_TILE = 256
 DRAFT_TOPK_WARPS = 4
@@ -131,7 +132,7 @@ def level() -> str:
 
 
 def draft_topk_enabled() -> bool:
-    value = os.environ.get(DRAFT_TOPK_ENV) or "torch"
+    value = os.environ.get(DRAFT_TOPK_ENV) or "fused"
     if value not in ("fused", "torch"):
         raise UserError(f"{DRAFT_TOPK_ENV}={value}: use fused or torch")
     return value == "fused"
