@@ -10,7 +10,7 @@ DTYPE ?= float32
 DRAFT ?= eagle:drafts/smollm2-eagle
 EAGLE_CONVERT_FLAGS ?= --num-eagle-layers 6
 # Where serve and demo run the portable engine (cpu or cuda); the EAGLE trees follow it. On 2 CPU cores a
-# pass over a large tree costs several plain steps, so 6 nodes (BENCHMARKS.md §6: EAGLE-3 0.94x plain there,
+# pass over a large tree costs several plain steps, so 5 nodes (BENCHMARKS.md §6: EAGLE-3 0.94x plain there,
 # against 0.5x with the GPU trees; the demo shows lossless speculation, not a CPU speed-up); on a GPU a
 # 64-node tree costs little more than one token: EAGLE-2's fastest on the H200 is depth 4, top-k 8, 63 nodes
 # (§2 (r): 1.65x plain; depth 6, top-k 10: 1.51x).
