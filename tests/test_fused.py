@@ -97,6 +97,8 @@ CHECK = textwrap.dedent("""
 
     # Attention: a strided cache (slots x kv heads x dims), groups of 3, 4 and 1, texts of one chunk
     # and of several splits' worth, a text far shorter than the cache. Single tokens see every slot up to their own...
+    from pipeline.engine import fused_kernels
+    fused_kernels.ONE_TOKEN_TILES = False  # first the CUDA-core kernel
     for heads, kv_heads, dim, slots, slot in ((6, 2, 16, 40, 39), (8, 2, 32, 150, 96), (4, 4, 64, 300, 0),
                                               (6, 2, 16, 1100, 1042), (6, 2, 16, 1100, 40), (6, 2, 16, 40, 5)):
         q = torch.randn(1, heads, dim, dtype=torch.bfloat16)
@@ -105,6 +107,17 @@ CHECK = textwrap.dedent("""
         want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k[:slot + 1].transpose(0, 1)[None].float(),
                                               v[:slot + 1].transpose(0, 1)[None].float(), enable_gqa=True)[0]
         close(slot_attention(q, k, v, torch.tensor([slot]), None), want.transpose(0, 1), 2e-2)
+    # ... and the same through the several tokens' tensor-core tiles (ONE_TOKEN_TILES, the engine's way;
+    # float32 on the CPU, see below). The CPU runs the rest of this check's bf16 models on the CUDA cores.
+    for heads, kv_heads, dim, slots, slot in ((6, 2, 16, 40, 39), (9, 3, 64, 1100, 400), (4, 4, 64, 300, 0)):
+        q, cache = torch.randn(1, heads, dim, dtype=half), torch.randn(2, slots, kv_heads, dim, dtype=half)
+        k, v = cache[0], cache[1]
+        seen = [t[:slot + 1].transpose(0, 1)[None].float() for t in (k, v)]
+        want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), *seen, enable_gqa=True)[0]
+        for tiles in (True, False):
+            fused_kernels.ONE_TOKEN_TILES = tiles
+            close(slot_attention(q, k, v, torch.tensor([slot]), None), want.transpose(0, 1), 2 * tol)
+    fused_kernels.ONE_TOKEN_TILES = device == "cuda"
     # ... tree tokens see the text and what their row of the region allows, through tensor-core tiles
     # (a single token with a wider region, an EAGLE level of one node, stays on CUDA cores).
     # Triton's interpreter multiplies bf16 tiles as raw integers, so on the CPU only float32 runs.
@@ -215,6 +228,20 @@ CHECK = textwrap.dedent("""
         for got, want in zip(passes["fused"], passes["off"]):
             close(got, want, 1e-4)
 
+    # A dynamic tree's small top-k's in one sort: torch.topk's values and positions, ties to the lower
+    # position (torch.topk's own order at a tie is unspecified: ties are checked by value only there).
+    from pipeline.engine.fused_kernels import row_topk
+    # (Rows of a few hundred values: the interpreter sorts slowly.)
+    for shape, k in (((1, 8), 8), ((64,), 8), ((200,), 63), ((2, 600), 10), ((1, 1024), 1), ((5, 7), 3)):
+        x = torch.randn(shape) * 30
+        values, positions = row_topk(x, k)
+        want = x.topk(k)
+        assert torch.equal(values, want.values) and torch.equal(positions, want.indices), shape
+    x = torch.tensor([[2.0, -1.0, 2.0, float("-inf"), -0.0, 0.0, -3.5, 2.0]])
+    values, positions = row_topk(x, 6)
+    assert values.tolist() == [[2.0, 2.0, 2.0, 0.0, 0.0, -1.0]] and positions[0, :3].tolist() == [0, 2, 7]
+    assert torch.equal(row_topk(x.to(half), 3)[0], x.to(half).topk(3).values)
+
     # The drafter's LM head + log-softmax + top-k in one kernel: rows up to a tile, vocabularies and
     # hidden sizes off the tiles, against the unfused ops; then dynamic trees drafted through it.
     from pipeline.engine.fused_kernels import lm_head_topk
@@ -228,7 +255,7 @@ CHECK = textwrap.dedent("""
     if device == "cpu":  # float32 through TF32 tiles on a GPU may pick another node at a near-tie
         drafted = {}
         for name, topk in (("torch", None), ("fused", lm_head_topk)):
-            net.draft_topk = topk
+            net.draft_topk, net.row_topk = topk, topk and row_topk
             drafted[name] = []
             proposer = EagleProposer(net, 200, None, DynamicTreeConfig(top_k=3, depth=3, max_non_leaves_per_layer=2), 6)
             engine = Engine(target, _IdsOnly(), EngineLimits(1, 16, 160, 6), SpecConfig(), proposer)

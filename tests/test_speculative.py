@@ -120,6 +120,7 @@ class OracleNet(nn.Module):
         self.capture_layers = getattr(real, "capture_layers", ())
         self.num_cache_layers = real.num_cache_layers
         self.lm_head = real.lm_head
+        self.row_topk = None  # the tree's candidates through torch.topk
 
     def target_features(self, target):
         return self.real.target_features(target)

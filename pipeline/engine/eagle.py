@@ -19,7 +19,7 @@ from torch import nn
 
 from pipeline.engine.acceptance import Acceptance
 from pipeline.engine.config import DynamicTreeConfig
-from pipeline.engine.fused import DRAFT_TOPK_MAX_ROWS
+from pipeline.engine.fused import DRAFT_TOPK_MAX_ROWS, ROW_TOPK_MAX
 from pipeline.engine.graphs import CapturedStep, Compiled, prefill_bucket
 from pipeline.engine.model import (Attention, DecoderLayer, ForwardContext, KVCache, Linear, MLP, ModelConfig,
                                    RMSNorm, Rotary, full_slot_context, make_context)
@@ -40,6 +40,7 @@ class EagleNet(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         self.draft_topk = None  # fused.attach: the LM head + log-softmax + top-k kernel, where it runs
+        self.row_topk = None  # fused.attach: the small top-k kernel for the tree's candidates, where it runs
 
     def target_features(self, target: TargetPass) -> torch.Tensor:
         return target.hidden
@@ -94,7 +95,7 @@ class Eagle3Net(nn.Module):
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.identity_vocab = draft_vocab == cfg.vocab_size  # host flag: no data-dependent branch in a graph
         self.rotary = Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        self.draft_topk = None  # as EagleNet's
+        self.draft_topk = self.row_topk = None  # as EagleNet's
 
     def set_d2t(self, d2t: torch.Tensor) -> None:
         self.d2t.copy_(d2t.long())
@@ -269,7 +270,7 @@ class EagleProposer:
         cand_tokens, cand_scores = [token], [score]
         cand_parents = [torch.full((k,), -1, device=device)]
         cand_depths = [torch.ones(k, dtype=torch.long, device=device)]
-        frontier = score.topk(width).indices  # candidate ids
+        frontier = self._topk(score, width)[1]  # candidate ids
         frontier_hidden = root_hidden.expand(width, -1)
         rows = torch.zeros(width, self.tree_slots, dtype=torch.bool, device=device)  # tree slots each frontier node sees
         own = torch.eye(width, dtype=torch.bool, device=device)
@@ -285,10 +286,17 @@ class EagleProposer:
             cand_scores.append(child_score)
             cand_parents.append(frontier.repeat_interleave(k))
             cand_depths.append(torch.full((width * k,), depth + 1, device=device))
-            best = child_score.topk(width).indices  # positions among this depth's children
+            best = self._topk(child_score, width)[1]  # positions among this depth's children
             frontier = total + best
             frontier_hidden = out[best // k]
             rows = rows[best // k]
             total += width * k
         return select_tree(self.root, torch.cat(cand_tokens), torch.cat(cand_parents), torch.cat(cand_depths),
-                           torch.cat(cand_scores), self.max_draft_len, cfg.depth)
+                           torch.cat(cand_scores), self.max_draft_len, cfg.depth, self._topk)
+
+    def _topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch.topk's (values, indices) over x's last dimension, through the drafter's row_topk kernel
+        where it has one."""
+        if self.net.row_topk is None or x.shape[-1] > ROW_TOPK_MAX:
+            return x.topk(k)
+        return self.net.row_topk(x, k)

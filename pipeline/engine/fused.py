@@ -10,10 +10,11 @@ matrices stream from memory, plus whatever each layer spends between them. Two l
 - fused (the default): a decoder layer becomes four GEMVs and an attention of two kernels, each
   kernel boundary costing a microsecond or more. The RMS norms run inside the GEMVs that read them
   (QKV, gate/up), rotary and the cache write inside the QKV GEMV, the residual adds inside the GEMVs
-  that produce them (output and down projections); attention is a flash-decoding kernel that reads
-  only the slots in use, then a small merge kernel (merging in the same launch, the last split of a
-  kv head reading the others' partials, took 12.5 us a layer on the H200 against 4.9 + 2.1: more
-  registers a program and a serial merge at the end). SiLU-and-multiply stays a kernel of inductor's
+  that produce them (output and down projections); attention reads only the slots in use, on the
+  tensor-core tiles of several tokens' attention (ONE_TOKEN_TILES; or a CUDA-core flash-decoding
+  kernel), then a small merge kernel (merging in the same launch, the last split of a kv head reading
+  the others' partials, took 12.5 us a layer on the H200 against 4.9 + 2.1: more registers a program
+  and a serial merge at the end). SiLU-and-multiply stays a kernel of inductor's
   unless GATED_GEMV (see there). Layers the kernels do not cover (biases, other activations, no
   input norm, head sizes that are not a power of two) keep the gemv level.
 
@@ -60,6 +61,12 @@ NUM_WARPS = 8
 # (Dealing chunks round-robin to 64 splits measured 5.7 against 5.0 us a layer, 8B decode, H200.)
 ATTENTION_CHUNK_SLOTS = 16  # 32 measured slower on the H200 (8.6 against 5.0 us a layer, 8B decode)
 ATTENTION_MAX_SPLITS = 64
+# Whether a single token's attention instead runs on the tensor-core tiles of several tokens' (below; its
+# query group padded to TREE_MIN_ROWS rows, blocks of TREE_BLOCK_SLOTS slots dealt to the splits). H200,
+# session s: SmolLM2's decode step 0.769 -> 0.608 ms (its attention 6.8 + 2.7 -> 2.8 + 1.4 us a layer; plain
+# 1278 -> 1595 tokens/s on MT-bench), the 8B shape 238.1 -> 242.5 tokens/s (build/probe_ab.py). The CUDA-core
+# kernel stays for ONE_TOKEN_TILES = False and for bf16 under Triton's interpreter (the tests).
+ONE_TOKEN_TILES = True
 # Several tokens (trees, draft passes): tensor-core tiles of TREE_BLOCK_ROWS query rows (token, group
 # member) against TREE_BLOCK_SLOTS slots (tl.dot needs 16 rows at least). Splits per (tile, kv head)
 # aim at ATTENTION_PROGRAMS programs in all, about two per SM, each taking every splits-th block of slots
@@ -112,16 +119,24 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 # An EAGLE drafter's LM head, log-softmax and top-k at every draft depth in one kernel (draft_topk): each
 # program takes DRAFT_TOPK_TILE vocabulary rows, computes their logits for all the depth's rows (at most
 # DRAFT_TOPK_MAX_ROWS, one tl.dot tile) and keeps the tile's k best, maximum and sum of exponentials, so
-# the [rows, vocab] logits are never written and torch.topk sorts tiles x k candidates, not the
-# vocabulary. H200, build/probe_draft_topk.py, both sides through torch.compile: 45.5 against 83.0 us a
-# depth at SmolLM2's shape (8 rows, k 8); 256 rows and 4 warps a program was the best of three. Inside the
-# engine (SmolLM2 + EAGLE dynamic, bf16, 80 MT-bench turns, session r): 1975 -> 2104 tokens/s, 1.55x -> 1.65x
-# plain, same trees. On by default; SPECPIPE_DRAFT_TOPK=torch keeps the LM head, log-softmax and torch.topk.
+# the [rows, vocab] logits are never written; a second kernel takes each row's k best of the tiles x k
+# candidates and its log-softmax normaliser (torch's four ops until session s). H200,
+# build/probe_draft_topk.py, both sides through torch.compile: 45.5 against 83.0 us a depth at SmolLM2's
+# shape (8 rows, k 8); 256 rows and 4 warps a program was the best of three. Inside the engine (SmolLM2 +
+# EAGLE dynamic, bf16, 80 MT-bench turns, session r): 1975 -> 2104 tokens/s, 1.55x -> 1.65x plain, same trees.
+# On by default; SPECPIPE_DRAFT_TOPK=torch keeps the LM head, log-softmax and torch.topk (and torch.topk for the
+# tree's other top-k's, below).
 DRAFT_TOPK_ENV = "SPECPIPE_DRAFT_TOPK"
 DRAFT_TOPK_TILE = 256
 DRAFT_TOPK_WARPS = 4
 DRAFT_TOPK_MAX_ROWS = 16
 DRAFT_TOPK_BLOCK_H = 64
+# With the fused top-k, a dynamic tree's other top-k's (the frontier at each depth, the tree's selection and
+# its ordering by depth) go through row_topk: one bitonic sort in registers a row of at most ROW_TOPK_MAX
+# values, 1.5 us a call on the H200 against torch.topk's 6.7-13.9. Both kernels together (and lm_head_topk's
+# merge in one kernel of ours): a random-weight SmolLM2 EAGLE step 1.52 -> 1.35 ms (session s,
+# build/probe_eagle_step.py); the trained draft 1971 -> 2347 tokens/s against SPECPIPE_DRAFT_TOPK=torch.
+ROW_TOPK_MAX = 4096
 
 
 def level() -> str:
@@ -149,11 +164,13 @@ def attach(model: nn.Module, kernels: str | None = None, device_types: tuple[str
     draft_topk = draft_topk_enabled() if draft_topk is None else draft_topk
     drafters = [m for m in model.modules() if hasattr(m, "draft_topk") and m.lm_head.weight.device.type in device_types
                 and m.lm_head.weight.dtype in HALF_DTYPES]
-    topk = None
+    topk = row_topk = None
     if kernels != "off" and draft_topk and drafters:
         from pipeline.engine.fused_kernels import lm_head_topk as topk
+        from pipeline.engine.fused_kernels import row_topk
     for m in drafters:
         m.draft_topk = topk
+        m.row_topk = row_topk
     attentions = [m for m in model.modules() if isinstance(m, Attention) and m.qkv.weight.device.type in device_types]
     slot_attention = None
     if kernels != "off" and attentions:

@@ -14,9 +14,10 @@ import triton.language as tl
 
 from pipeline.engine.fused import (ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_SPLITS, ATTENTION_PROGRAMS, BLOCK_K,
                                    BLOCK_ROWS, DRAFT_TOPK_BLOCK_H, DRAFT_TOPK_MAX_ROWS, DRAFT_TOPK_TILE,
-                                   DRAFT_TOPK_WARPS, FLOAT32_DOT, NUM_WARPS, ROWS_GEMM_GATED_TILE, ROWS_GEMM_MAX_TOKENS,
-                                   ROWS_GEMM_TILE, TREE_BLOCK_ROWS, TREE_BLOCK_SLOTS, TREE_MAX_BLOCKS_PER_SPLIT,
-                                   TREE_MIN_BLOCKS_PER_SPLIT, TREE_MIN_ROWS)
+                                   DRAFT_TOPK_WARPS, FLOAT32_DOT, NUM_WARPS, ONE_TOKEN_TILES, ROW_TOPK_MAX,
+                                   ROWS_GEMM_GATED_TILE, ROWS_GEMM_MAX_TOKENS, ROWS_GEMM_TILE, TREE_BLOCK_ROWS,
+                                   TREE_BLOCK_SLOTS, TREE_MAX_BLOCKS_PER_SPLIT, TREE_MIN_BLOCKS_PER_SPLIT,
+                                   TREE_MIN_ROWS)
 
 
 @triton.jit
@@ -367,12 +368,14 @@ def _attention_split(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_
 def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_ptr, num_slots, region,
                            sm_scale, stride_slot, stride_head, num_splits, tokens, out_ptr, stride_token,
                            GROUP: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           FLOAT32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr):
+                           FLOAT32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+                           OWN_SLOT: tl.constexpr):
     """The split kernel for several tokens: one kv head's query rows (token, group member) in
     tiles of BLOCK_M against every num_splits-th block of BLOCK_N slots, both products on tensor
     cores (a 64-node tree of an 8B model has 256 query rows a kv head, which CUDA cores took ~100 us
     a layer for). Same visibility and partial outputs as _attention_split_kernel with REGION.
     DIRECT (one split): the normalised output goes straight to out_ptr, and no merge runs.
+    OWN_SLOT: one token with no region rows (a decode step), seeing every slot up to its own at length.
     q's tokens lie stride_token apart (a view of the QKV rows, copied by nothing)."""
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -393,11 +396,14 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_p
         base = slots * stride_slot + kv_head * stride_head
         keys = tl.load(k_ptr + base[None, :] + dims[:, None], mask=inside[None, :], other=0.0)  # [HEAD, BLOCK_N]
         scores = tl.dot(q, keys, input_precision=PRECISION) * sm_scale
-        rel = slots - length
-        seen = tl.load(rows_ptr + token[:, None] * region + rel[None, :],
-                       mask=live[:, None] & (inside & (rel >= 0))[None, :], other=0)
-        visible = ((rel < 0) & inside)[None, :] | (seen != 0)
-        scores = tl.where(visible, scores, float("-inf"))
+        if OWN_SLOT:
+            scores = tl.where(inside[None, :], scores, float("-inf"))
+        else:
+            rel = slots - length
+            seen = tl.load(rows_ptr + token[:, None] * region + rel[None, :],
+                           mask=live[:, None] & (inside & (rel >= 0))[None, :], other=0)
+            visible = ((rel < 0) & inside)[None, :] | (seen != 0)
+            scores = tl.where(visible, scores, float("-inf"))
         top = tl.maximum(peak, tl.max(scores, axis=1))
         safe = tl.where(top == float("-inf"), 0.0, top)
         rescale = tl.exp(peak - safe)
@@ -449,7 +455,8 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
     group = heads // kv_heads
     assert rows is not None or tokens == 1, "several tokens need their rows of the region"
     region = 1 if rows is None else rows.shape[1]
-    if tokens == 1:  # one token's few query heads on CUDA cores; spans of whole chunks, at most MAX_SPLITS
+    cuda_cores = tokens == 1 and not ONE_TOKEN_TILES
+    if cuda_cores:  # one token's few query heads on CUDA cores; spans of whole chunks, at most MAX_SPLITS
         span = ATTENTION_CHUNK_SLOTS * triton.cdiv(triton.cdiv(slots, ATTENTION_CHUNK_SLOTS), ATTENTION_MAX_SPLITS)
         splits = triton.cdiv(slots, span)
     else:  # query rows in tensor-core tiles of 16 rows at least; blocks dealt round-robin to the splits
@@ -458,7 +465,7 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
         blocks = triton.cdiv(slots, TREE_BLOCK_SLOTS)
         splits = min(triton.cdiv(blocks, TREE_MIN_BLOCKS_PER_SPLIT), max(1, ATTENTION_PROGRAMS // (tiles * kv_heads)))
         splits = min(ATTENTION_MAX_SPLITS, max(splits, triton.cdiv(blocks, TREE_MAX_BLOCKS_PER_SPLIT)))
-    direct = tokens > 1 and splits == 1
+    direct = not cuda_cores and splits == 1
     m = torch.empty(0 if direct else tokens * heads * splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     o = torch.empty(m.shape[0], head, dtype=torch.float32, device=q.device)
@@ -467,7 +474,7 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
         q = q.contiguous()
     args = (q, k, v, length, k if rows is None else rows.contiguous().view(torch.uint8), m, l, o, slots,
             region, head ** -0.5, k.stride(0), k.stride(1), splits)
-    if tokens == 1:
+    if cuda_cores:
         _attention_split_kernel[(kv_heads, splits)](
             *args, span, GROUP=group, GROUP_ROWS=triton.next_power_of_2(group), HEAD=head,
             CHUNK=ATTENTION_CHUNK_SLOTS, REGION=rows is not None)
@@ -475,7 +482,7 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: to
         _tree_attention_kernel[(tiles, kv_heads, splits)](
             *args, tokens, out, q.stride(0), GROUP=group, HEAD=head, BLOCK_M=block_m, BLOCK_N=TREE_BLOCK_SLOTS,
             FLOAT32=q.dtype == torch.float32, PRECISION=FLOAT32_DOT if q.dtype == torch.float32 else "tf32",
-            DIRECT=direct)
+            DIRECT=direct, OWN_SLOT=rows is None)
     if not direct:
         _attention_merge_kernel[(tokens * heads,)](m, l, o, out, splits, HEAD=head,
                                                    SPLIT_ROWS=max(2, triton.next_power_of_2(splits)))
@@ -535,10 +542,87 @@ def tiled_topk(h: torch.Tensor, weight: torch.Tensor, k: int, block_v: int = DRA
     _lm_head_topk_kernel[(tiles,)](h, weight, val, idx, tile_max, tile_sum, rows, vocab, hidden,
                                    ROWS=DRAFT_TOPK_MAX_ROWS, BLOCK_V=block_v, BLOCK_H=DRAFT_TOPK_BLOCK_H, K=k,
                                    num_warps=warps)
-    top = tile_max.max(dim=1, keepdim=True).values
-    log_norm = top + torch.log((tile_sum * torch.exp(tile_max - top)).sum(dim=1, keepdim=True))
-    best, pos = val.topk(k, dim=1)
-    return best - log_norm, idx.gather(1, pos).long()
+    logp = torch.empty(rows, k, dtype=torch.float32, device=h.device)
+    tokens = torch.empty(rows, k, dtype=torch.long, device=h.device)
+    _topk_merge_kernel[(rows,)](val, idx, tile_max, tile_sum, logp, tokens, tiles, K=k,
+                                N=triton.next_power_of_2(tiles * k), TILES=triton.next_power_of_2(tiles))
+    return logp, tokens
+
+
+_REMOVED = tl.constexpr(-0x7FFFFFFFFFFFFFFF)  # below every _descending_keys key
+
+
+@triton.jit
+def _descending_keys(x, i, N: tl.constexpr):
+    """int64 keys that sort float32 x descending by value, then ascending by position i (< N): the
+    value's bits mapped to a signed integer of the same order, above the reversed position."""
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: the magnitude bits reversed
+    return (ordered.to(tl.int64) << 32) | (N - 1 - i).to(tl.int64)
+
+
+@triton.jit
+def _decode_keys(keys, N: tl.constexpr):
+    """(float32 values, positions) of _descending_keys."""
+    ordered = (keys >> 32).to(tl.int32)
+    values = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    return values, N - 1 - (keys & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _topk_merge_kernel(val_ptr, idx_ptr, max_ptr, sum_ptr, logp_ptr, token_ptr, tiles,
+                       K: tl.constexpr, N: tl.constexpr, TILES: tl.constexpr):
+    """One row of _lm_head_topk_kernel's output: the log-softmax normaliser from the tiles' maxima and
+    sums, and the k best of the tiles' tiles * k candidates, as log-probabilities and tokens. k rounds of
+    max-and-remove over the candidates' keys, 4.7 us for SmolLM2's 8 rows (H200, session s), where a
+    bitonic sort of the 2,048 took 37 us."""
+    row = tl.program_id(0)
+    t = tl.arange(0, TILES)
+    tile_max = tl.load(max_ptr + row * tiles + t, mask=t < tiles, other=float("-inf"))
+    tile_sum = tl.load(sum_ptr + row * tiles + t, mask=t < tiles, other=0.0)
+    top = tl.max(tile_max, axis=0)
+    log_norm = top + tl.log(tl.sum(tile_sum * tl.exp(tile_max - top), axis=0))
+    i = tl.arange(0, N)
+    candidates = tl.load(val_ptr + row * tiles * K + i, mask=i < tiles * K, other=float("-inf"))
+    keys = _descending_keys(candidates, i, N)
+    for j in tl.static_range(K):
+        best = tl.max(keys, axis=0)
+        value, pos = _decode_keys(best, N)
+        tl.store(logp_ptr + row * K + j, value - log_norm)
+        tl.store(token_ptr + row * K + j, tl.load(idx_ptr + row * tiles * K + pos).to(tl.int64))
+        keys = tl.where(keys == best, _REMOVED, keys)
+
+
+@triton.jit
+def _row_topk_kernel(x_ptr, val_ptr, idx_ptr, n, K: tl.constexpr, N: tl.constexpr):
+    """One row's k largest values and their positions, best first, through one sort in registers."""
+    row = tl.program_id(0)
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + row * n + i, mask=i < n, other=float("-inf")).to(tl.float32)
+    best, pos = _decode_keys(tl.sort(_descending_keys(x, i, N), descending=True), N)
+    keep = i < K
+    tl.store(val_ptr + row * K + i, best.to(val_ptr.dtype.element_ty), mask=keep)
+    tl.store(idx_ptr + row * K + i, pos.to(tl.int64), mask=keep)
+
+
+@torch.library.custom_op("specpipe::row_topk", mutates_args=())
+def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(x, k) along x's last dimension (at most ROW_TOPK_MAX values) in one kernel, one program a
+    row: (values in x's dtype, int64 positions), best first, equal values by position. torch.topk's
+    radix select took 6.7-13.9 us a call for an EAGLE step's few hundred candidates (H200, session r)."""
+    n = x.shape[-1]
+    assert k <= n <= ROW_TOPK_MAX, f"row_topk takes rows of at most {ROW_TOPK_MAX} values, k of at most their length"
+    x = x.contiguous()
+    values = x.new_empty(*x.shape[:-1], k)
+    positions = torch.empty(values.shape, dtype=torch.long, device=x.device)
+    _row_topk_kernel[(max(1, x.numel() // max(n, 1)),)](x, values, positions, n, K=k, N=triton.next_power_of_2(n))
+    return values, positions
+
+
+@row_topk.register_fake
+def _(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (*x.shape[:-1], k)
+    return x.new_empty(shape), x.new_empty(shape, dtype=torch.long)
 
 
 @torch.library.custom_op("specpipe::lm_head_topk", mutates_args=())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -241,13 +242,17 @@ DEPTH_TIE_BREAK = 1e-4
 
 
 def select_tree(root: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-                scores: torch.Tensor, max_draft_len: int, max_depth: int) -> tuple[torch.Tensor, ...]:
+                scores: torch.Tensor, max_draft_len: int, max_depth: int,
+                topk: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = torch.topk
+                ) -> tuple[torch.Tensor, ...]:
     """A dynamic tree (EAGLE-2's selection) from candidates whose parents are candidate ids (-1: the root)
     and whose scores are path log-probabilities: the max_draft_len best, ordered by depth, under `root`.
-    Returns (tokens, parents, depths, ancestor mask), the root at node 0."""
+    Returns (tokens, parents, depths, ancestor mask), the root at node 0. `topk` does both sorts (a
+    kernel of the caller's may stand in for torch.topk)."""
     count = tokens.shape[0]
-    keep = (scores - DEPTH_TIE_BREAK * depths).topk(min(max_draft_len, count)).indices
-    keep = keep[torch.argsort(depths[keep] * count + keep)]
+    keep = topk(scores - DEPTH_TIE_BREAK * depths, min(max_draft_len, count))[1]
+    # By depth, then candidate id: distinct integers well inside float32's exact range.
+    keep = keep[topk(-(depths[keep] * count + keep).float(), keep.shape[0])[1]]
     new_index = torch.zeros(count, dtype=torch.long, device=tokens.device)
     new_index[keep] = torch.arange(1, keep.shape[0] + 1, device=tokens.device)
     kept_parents = torch.where(parents[keep] >= 0, new_index[parents[keep].clamp(min=0)], 0)
