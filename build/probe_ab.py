@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -51,6 +52,19 @@ def parse(variant: str) -> dict[tuple[str, str], int | float | str | tuple]:
     return settings
 
 
+def variant_settings(names: list[str]) -> tuple[dict[str, dict], Callable[[dict], None]]:
+    """Each variant's settings, and a function that puts one variant's in place: its own values, and the
+    committed ones of every setting that another variant changes."""
+    variants = {v: parse(v) for v in names}
+    committed = {key: getattr(MODULES[key[0]], key[1]) for s in variants.values() for key in s}
+
+    def apply(settings: dict) -> None:
+        for (module, name), value in {**committed, **settings}.items():
+            setattr(MODULES[module], name, type(committed[(module, name)])(value))
+
+    return variants, apply
+
+
 def number_or_text(value: str) -> int | float | str | tuple:
     """8 -> 8, 0.5 -> 0.5, tf32x3 -> "tf32x3" (fused_kernels.FLOAT32_DOT takes a name), 64/128/4/3 ->
     (64, 128, 4, 3) (fused_kernels.ROWS_GEMM_TILE takes a tuple)."""
@@ -73,12 +87,7 @@ def main() -> None:
     ap.add_argument("--tree", type=int, default=0,
                     help="time the verification pass of a tree of this many tokens against a 1-token pass instead")
     args = ap.parse_args()
-    variants = {v: parse(v) for v in args.variants}
-    committed = {key: getattr(MODULES[key[0]], key[1]) for s in variants.values() for key in s}
-
-    def apply(settings: dict) -> None:
-        for (module, name), value in {**committed, **settings}.items():
-            setattr(MODULES[module], name, type(committed[(module, name)])(value))
+    variants, apply = variant_settings(args.variants)
 
     device = torch.device("cuda")
     model = random_model(SHAPES[args.shape], device, torch.bfloat16)

@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""The EAGLE dynamic step of SmolLM2's shape with random bf16 weights, A/B by kernel settings, on CUDA.
+
+A dynamic tree always keeps max_draft_len nodes and the catch-up always runs max_depth + 1 pairs, so a
+step's kernels, and its time, do not depend on the weights: random ones measure what the trained draft's
+step costs, with no model to carry. Each variant (build/probe_ab.py's MODULE.NAME=VALUE syntax) gets its
+own engines, compiled and captured under its settings; then requests of --tokens tokens after a
+--prompt-token prompt run round by round, variants interleaved, each beside a plain engine of the same
+target. Printed per variant: ms a decode step ((request - 1-token request) / steps), the plain engine's
+ms a token, and the tokens/s and × plain these give at --acceptance tokens a step (the trained draft's
+on MT-bench; the real bench measures it). --profile adds, per variant, one profiled request: kernels,
+device-busy and launch-gap microseconds a step, and the kernels by time.
+
+  python3 build/probe_eagle_step.py base fused_kernels.TREE_MIN_BLOCKS_PER_SPLIT=16 --profile
+  python3 build/probe_eagle_step.py base --device cpu --shape tiny --tokens 16 --rounds 1   # smoke test
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from probe_ab import variant_settings  # noqa: E402
+from pipeline.bench.speed import SEED, SHAPES, _IdsOnly, random_model  # noqa: E402
+from pipeline.engine import fused  # noqa: E402
+from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig  # noqa: E402
+from pipeline.engine.eagle import EagleNet, EagleProposer  # noqa: E402
+from pipeline.engine.request import SamplingParams  # noqa: E402
+from pipeline.engine.runner import Engine, prepare_kernels  # noqa: E402
+
+# The trained EAGLE-2 draft on all 80 MT-bench first turns, bf16, depth 4 / top-k 8 / 63 nodes (BENCHMARKS §2 (r)).
+TRAINED_ACCEPTANCE = 3.326
+STEP_GAP_US = 50.0  # a device gap longer than this is the host's (a read-back, a new request), not a launch's
+ROWS = 30
+
+
+def random_drafter(shape, device: torch.device, dtype: torch.dtype) -> EagleNet:
+    torch.manual_seed(SEED + 1)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            net = EagleNet(replace(shape, num_layers=1), fc_bias=False)
+    finally:
+        torch.set_default_dtype(old)
+    net = net.eval()
+    prepare_kernels(net)
+    return net
+
+
+def timed(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, int]:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = engine.generate(prompt, SamplingParams(max_tokens=tokens, end_id=-1))
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, result.stats.steps
+
+
+def decode_ms(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """(ms a decode step, ms of the 1-token request: prefill, the drafter's prompt pass, first token)."""
+    first, _ = timed(engine, prompt, 1)
+    full, steps = timed(engine, prompt, tokens)
+    return (full - first) * 1e3 / steps, first * 1e3
+
+
+def profile_steps(engine: Engine, prompt: list[int], tokens: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _, steps = timed(engine, prompt, tokens)
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    gaps = [b.time_range.start - a.time_range.end for a, b in zip(kernels, kernels[1:])]
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        per_name[e.name][0] += 1
+        per_name[e.name][1] += e.time_range.elapsed_us()
+    return {"steps": steps, "kernels": len(kernels) / steps,
+            "busy_us": sum(e.time_range.elapsed_us() for e in kernels) / steps,
+            "launch_gap_us": sum(g for g in gaps if 0 < g <= STEP_GAP_US) / steps,
+            "host_gap_us": sum(g for g in gaps if g > STEP_GAP_US) / steps,
+            "per_name": sorted(((n, c / steps, us / steps, us / c) for n, (c, us) in per_name.items()),
+                               key=lambda row: -row[2])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("variants", nargs="+", help='"base" or MODULE.NAME=VALUE[,MODULE.NAME=VALUE...]')
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-seq-len", type=int, default=1024,
+                    help="the engines' cache (make build-engines builds 1024): attention splits follow its size")
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--nodes", type=int, default=63, help="draft tokens a tree keeps (max_draft_len)")
+    ap.add_argument("--acceptance", type=float, default=TRAINED_ACCEPTANCE)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json", type=Path, default=None, help="also write the timings and profiles here")
+    args = ap.parse_args()
+    variants, apply = variant_settings(args.variants)
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = SHAPES[args.shape]
+    target = random_model(shape, device, dtype)
+    drafter = random_drafter(shape, device, dtype)  # attached again under each variant's settings
+    prompt = torch.randint(shape.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    slots = max(args.max_seq_len, args.prompt_tokens + args.tokens + 1)
+    spec = SpecConfig(mode="eagle", max_draft_len=args.nodes,
+                      dynamic_tree=DynamicTreeConfig(top_k=args.top_k, depth=args.depth,
+                                                     max_non_leaves_per_layer=args.top_k))
+    limits = EngineLimits(1, args.prompt_tokens, slots, args.nodes)
+    engines: dict[str, tuple[Engine, Engine]] = {}
+    with torch.inference_mode():
+        for name, settings in variants.items():
+            apply(settings)
+            start = time.time()
+            if device.type == "cuda":
+                fused.attach(drafter)
+            proposer = EagleProposer(drafter, slots, None, spec.dynamic_tree, args.nodes)
+            eagle = Engine(target, _IdsOnly(), limits, spec, proposer)
+            plain = Engine(target, _IdsOnly(), EngineLimits(1, args.prompt_tokens, slots, 0), SpecConfig())
+            for engine in (eagle, plain):
+                engine.warm_up()
+                engine.generate(prompt, SamplingParams(max_tokens=args.tokens, end_id=-1))
+            engines[name] = eagle, plain
+            print(f"{name}: engines compiled and captured in {time.time() - start:.1f} s", flush=True)
+        runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in variants}
+        for r in range(args.rounds):
+            for name in (args.variants if r % 2 == 0 else args.variants[::-1]):
+                apply(variants[name])
+                eagle, plain = engines[name]
+                step, first = decode_ms(eagle, prompt, args.tokens)
+                plain_step, _ = decode_ms(plain, prompt, args.tokens)
+                runs[name].append((step, first, plain_step))
+        profiles = {}
+        if args.profile and device.type == "cuda":
+            for name in args.variants:
+                apply(variants[name])
+                profiles[name] = profile_steps(engines[name][0], prompt, args.tokens)
+                if name == args.variants[0]:
+                    profiles["plain"] = profile_steps(engines[name][1], prompt, args.tokens)
+
+    a = args.acceptance
+    print(f"\n{args.shape} random weights, {dtype}, EAGLE dynamic depth {args.depth} top-k {args.top_k} {args.nodes} "
+          f"nodes, {args.tokens} tokens after {args.prompt_tokens}, {args.rounds} rounds; at {a} tokens a step:")
+    print(f"{'ms/step':>8} {'1-token ms':>10} {'plain ms':>8} {'tok/s':>7} {'x plain':>7}  variant")
+    for name, rows in runs.items():
+        step, first, plain_step = (statistics.median(r[i] for r in rows) for i in range(3))
+        print(f"{step:8.3f} {first:10.2f} {plain_step:8.3f} {a / step * 1e3:7.0f} {a * plain_step / step:7.2f}  {name}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
+                                         "profiles": profiles}, indent=1))
+    for name, p in profiles.items():
+        print(f"\n{name}: {p['kernels']:.0f} kernels, busy {p['busy_us']:.0f} us, "
+              f"launch gaps {p['launch_gap_us']:.0f} us, host gaps {p['host_gap_us']:.0f} us a step ({p['steps']} steps)")
+        print(f"  {'kernel':<78} {'calls':>6} {'us/step':>8} {'us/call':>8}")
+        for kernel, calls, us, per in p["per_name"][:ROWS]:
+            print(f"  {kernel[:78]:<78} {calls:6.1f} {us:8.1f} {per:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
