@@ -43,15 +43,8 @@ ROWS = 30
 
 
 def random_drafter(shape, device: torch.device, dtype: torch.dtype) -> EagleNet:
-    torch.manual_seed(SEED + 1)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            net = EagleNet(replace(shape, num_layers=1), fc_bias=False)
-    finally:
-        torch.set_default_dtype(old)
-    net = net.eval()
+    net = random_model(replace(shape, num_layers=1), device, dtype, lambda cfg: EagleNet(cfg, fc_bias=False),
+                       SEED + 1)
     prepare_kernels(net)
     return net
 

@@ -172,13 +172,15 @@ class _IdsOnly:
         return ""
 
 
-def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
-    torch.manual_seed(SEED)
+def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 build: Callable[[ModelConfig], torch.nn.Module] = Transformer, seed: int = SEED) -> torch.nn.Module:
+    """build(cfg) with seeded random weights, made in `dtype` on `device` (no float32 copy on the way)."""
+    torch.manual_seed(seed)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Transformer(cfg)
+            model = build(cfg)
     finally:
         torch.set_default_dtype(old)
     return model.eval()

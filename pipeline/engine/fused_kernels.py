@@ -611,7 +611,7 @@ def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     row: (values in x's dtype, int64 positions), best first, equal values by position. torch.topk's
     radix select took 6.7-13.9 us a call for an EAGLE step's few hundred candidates (H200, session r)."""
     n = x.shape[-1]
-    assert 0 < k <= n <= ROW_TOPK_MAX, f"row_topk takes rows of at most {ROW_TOPK_MAX} values and 0 < k <= their length"
+    assert 0 < k <= n <= ROW_TOPK_MAX, f"row_topk: rows of at most {ROW_TOPK_MAX} values, 0 < k <= their length"
     x = x.contiguous()
     values = x.new_empty(*x.shape[:-1], k)
     positions = torch.empty(values.shape, dtype=torch.long, device=x.device)
