@@ -13,6 +13,7 @@ fused_kernels.rows_gemm's two kernels over a sweep of its tiles.
 
   python3 build/probe_tree_gemm.py               # on a CUDA machine with Triton (about a minute)
   python3 build/probe_tree_gemm.py --mlp [--shape smollm2]   # the MLP of a tree step
+  python3 build/probe_tree_gemm.py --layer 64 --shape smollm2  # a small layer's products: their tiles
   TRITON_INTERPRET=1 python3 build/probe_tree_gemm.py --check    # the kernel's sums on the CPU
 """
 import argparse
@@ -178,10 +179,73 @@ def mlp(shape: str) -> None:
     print(f"probe {time.time() - t0:.0f} s")
 
 
+# fused.ROWS_SMALL_*TILE: BLOCK_M tokens, BLOCK_N outputs, BLOCK_K columns, warps, stages
+LAYER_SWEEP = tuple(itertools.product((16, 32, 64), (16, 32, 64), (64, 128), (4,), (2, 3)))
+TILE_NAMES = {"rope": "ROWS_SMALL_ROPE_TILE", "gated": "ROWS_SMALL_GATED_TILE", "plain": "ROWS_SMALL_TILE"}
+LAYER_SHAPES = {"smollm2": (576, 1536, 9, 3, 64)}  # hidden, intermediate, heads, kv heads, head size
+
+
+def layer(shape: str, tokens: int) -> None:
+    """A small layer's four products as fused.several_token_layer runs them, over a sweep of fused's
+    ROWS_SMALL_*TILE: the QKV product with its norm, rotary and cache write; the output product and its residual; the
+    gated gate/up with its norm; down and its residual. cuBLAS's bare product of each for scale."""
+    from probe_gemv import COPIES, timed
+
+    from pipeline.engine import fused_kernels
+    from pipeline.engine.model import Rotary
+
+    hidden, inter, heads, kv_heads, head = LAYER_SHAPES[shape]
+    torch.manual_seed(0)
+    t0 = time.time()
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    qkv_out = (heads + 2 * kv_heads) * head
+    weights = {"rope": (qkv_out, hidden), "output": (hidden, heads * head), "gated": (2 * inter, hidden),
+               "down": (hidden, inter)}
+    ws = {name: [torch.randn(*shape_, **bf) * 0.02 for _ in range(COPIES)] for name, shape_ in weights.items()}
+    x, r, g = torch.randn(tokens, hidden, **bf), torch.randn(tokens, hidden, **bf), torch.randn(hidden, **bf)
+    att, h = torch.randn(tokens, heads * head, **bf), torch.randn(tokens, inter, **bf)
+    rotary = Rotary(head, 1e4, None, 1024)
+    cos, sin = rotary.cos.cuda(), rotary.sin.cuda()
+    positions, slots = torch.arange(100, 100 + tokens, device="cuda"), torch.arange(100, 100 + tokens, device="cuda")
+    k_cache, v_cache = (torch.zeros(1, 1, 1024, kv_heads, head, **bf) for _ in range(2))
+    runs = {
+        "rope": (lambda w: fused_kernels.rows_rope_store(x, w, g, 1e-5, cos, sin, positions, slots, k_cache, v_cache,
+                                                         0, heads), "rope", x),
+        "output": (lambda w: fused_kernels.rows_gemm(att, w, residual=r), "plain", att),
+        "gated": (lambda w: fused_kernels.rows_gemm(x, w, gated=True, norm=g, eps=1e-5), "gated", x),
+        "down": (lambda w: fused_kernels.rows_gemm(h, w, residual=r), "plain", h)}
+    best_sum, per_tile = 0.0, {}
+    for name, (run, kind, inp) in runs.items():
+        t_cublas = timed(lambda i: F.linear(inp, ws[name][i % COPIES]))
+        times = {}
+        for tile in LAYER_SWEEP:
+            setattr(fused_kernels, TILE_NAMES[kind], tile)
+            try:
+                run(ws[name][0])
+            except triton.runtime.errors.OutOfResources:
+                continue
+            times[tile] = timed(lambda i: run(ws[name][i % COPIES]))
+            per_tile.setdefault(kind, {}).setdefault(tile, 0.0)
+            per_tile[kind][tile] += times[tile]
+        top = sorted(times, key=times.get)[:6]
+        best_sum += times[top[0]]
+        print(f"{name:<7} {weights[name]} cuBLAS {t_cublas:5.1f} us; rows kernel: " + "  ".join(
+            f"{','.join(map(str, c))}: {times[c]:.1f}" for c in top), flush=True)
+    best = {kind: min(tiles, key=tiles.get) for kind, tiles in per_tile.items()}
+    for kind, tile in best.items():
+        print(f"best {kind} tile over its products: {tile} {per_tile[kind][tile]:.1f} us")
+    print("as a build/probe_ab.py variant: " + ",".join(
+        f"fused_kernels.{TILE_NAMES[kind]}={'/'.join(map(str, tile))}" for kind, tile in best.items()))
+    print(f"{tokens} tokens: best tiles {best_sum:.1f} us a layer; probe {time.time() - t0:.0f} s")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="check the kernel's sums (CPU, TRITON_INTERPRET=1)")
     ap.add_argument("--mlp", action="store_true", help="a tree step's MLP: cuBLAS and inductor against rows_gemm")
-    ap.add_argument("--shape", default="llama3-8b", choices=sorted(MLP_SHAPES), help="the MLP's shape (--mlp)")
+    ap.add_argument("--layer", type=int, metavar="TOKENS", help="a small layer's products (--shape smollm2) over a "
+                    "sweep of fused.ROWS_SMALL_*TILE, for TOKENS rows")
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted({*MLP_SHAPES, *LAYER_SHAPES}),
+                    help="the MLP's or layer's shape")
     args = ap.parse_args()
-    check() if args.check else mlp(args.shape) if args.mlp else main()
+    check() if args.check else layer(args.shape, args.layer) if args.layer else mlp(args.shape) if args.mlp else main()

@@ -82,6 +82,31 @@ CHECK = textwrap.dedent("""
         close(rows_gemm(x, w, residual=r), want + r.double(), tol)
         fc, gate = want.chunk(2, dim=1)
         close(rows_gemm(x, w, gated=True), F.silu(fc) * gate, tol)
+    # The norm inside the products: against RMSNorm then the product, gated and not.
+    norm = Transformer(ModelConfig(64, 300, 1, 2, 1, 20, 24, 1e-5, 1e4, None, 64)).layers[0].input_layernorm.to(half)
+    norm.weight.normal_()
+    for m, n in ((5, 48), (37, 96)):
+        x, w = torch.randn(m, 300, dtype=half), torch.randn(n, 300, dtype=half)
+        want = F.linear(norm(x).double(), w.double())
+        close(rows_gemm(x, w, norm=norm.weight, eps=norm.eps), want, 4 * tol)
+        fc, gate = want.chunk(2, dim=1)
+        close(rows_gemm(x, w, gated=True, norm=norm.weight, eps=norm.eps), F.silu(fc) * gate, 4 * tol)
+    # The QKV product of several tokens with the norm, rotary and the cache write inside, against the
+    # single-token kernels token by token: q and the cache (other slots stay zero).
+    from pipeline.engine.fused_kernels import rows_rope_store
+    for heads, kv_heads, dim, k, m in ((6, 2, 16, 40, 5), (4, 2, 64, 300, 19)):
+        w = torch.randn((heads + 2 * kv_heads) * dim, k, dtype=half)
+        x, g = torch.randn(m, k, dtype=half), torch.randn(k, dtype=half)
+        rotary = Rotary(dim, 1e4, None, 64)
+        positions, slots = torch.randint(64, (m,)), torch.randperm(30)[:m]
+        want_k, want_v, got_k, got_v = (torch.zeros(2, 2, 30, kv_heads, dim, dtype=half) for _ in range(4))
+        want = torch.stack([rope_store(gemv(x[t], w, g, 1e-5), rotary.cos, rotary.sin, positions[t:t + 1],
+                                       slots[t:t + 1], want_k, want_v, 1, heads) for t in range(m)])
+        got = rows_rope_store(x, w, g, 1e-5, rotary.cos, rotary.sin, positions, slots, got_k, got_v, 1, heads)
+        close(got, want, 4 * tol)
+        assert want_k[1, 0, slots].any() and not got_k[0].any() and not got_k[1, 1].any()
+        close(got_k, want_k, 4 * tol)
+        close(got_v, want_v, 4 * tol)
     # A decoder layer's step of several tokens, its MLP through the two kernels, against the unfused layer.
     layer = Transformer(ModelConfig(64, 40, 1, 2, 1, 20, 24, 1e-5, 1e4, None, 64)).layers[0].to(half)
     for p in layer.parameters():
@@ -193,6 +218,15 @@ CHECK = textwrap.dedent("""
     fused.attach(model, "off", (device,))
     want, _ = model(torch.tensor([[1, 2, 3, 4]]), ctx)
     close(got, want, 3e-2)
+    # ... and a small layer's tree step whole through the kernels (several_token_layer: the norms, rotary
+    # and the cache write inside the products) against the unfused layer: its output and cache writes.
+    x = torch.randn(1, 4, 64, dtype=half)
+    got = fused.several_token_layer(model.layers[1], x, ctx, 1)
+    written = cache.k[1, 0, 70:74].clone(), cache.v[1, 0, 70:74].clone()
+    cache.k[1, 0, 70:74] = cache.v[1, 0, 70:74] = 0
+    close(got, model.layers[1](x, ctx, 1), 3e-2)
+    close(written[0], cache.k[1, 0, 70:74], 3e-2)
+    close(written[1], cache.v[1, 0, 70:74], 3e-2)
 
     # EAGLE drafting through the kernel: the catch-up's causal rows, a dynamic tree's frontier rows and
     # a static tree's one-node level (a single token with a wider region) give the draft network the

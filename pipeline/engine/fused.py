@@ -21,7 +21,8 @@ matrices stream from memory, plus whatever each layer spends between them. Two l
 A fused layer's steps of up to 64 tokens (trees, batched decode rows) run their MLP as two
 tensor-core GEMMs of ours (rows_gemm), each reading a weight tile once for all the tokens, with
 SiLU and the residual add inside (ROWS_MLP); the attention's products stay on cuBLAS, and more
-tokens (prefills) keep cuBLAS throughout. The attention of steps of several tokens (an EAGLE draft's
+tokens (prefills) keep cuBLAS throughout. Small layers (SmolLM2's) take a tree step whole through
+the kernels, as a single token does (ROWS_LAYER). The attention of steps of several tokens (an EAGLE draft's
 passes too), like a single token's, goes through the slot-attention kernel whenever the CUDA graphs
 call it: it reads the accepted text and the step's own region of slots through the tree mask,
 instead of SDPA over every cache slot with a mask (42 us a layer for SmolLM2's 64-node trees, most
@@ -115,6 +116,21 @@ ROWS_GEMM_MAX_TOKENS = 64  # one tile of x's rows: every weight tile is read onc
 # the compiled cuBLAS MLP; the next tiles 0.1-7 us slower (32 outputs and 128 columns for down: 41.2).
 ROWS_GEMM_GATED_TILE = (64, 64, 4, 4)
 ROWS_GEMM_TILE = (32, 256, 4, 4)
+# Small layers (every weight of at most ROWS_SMALL_WEIGHTS elements: SmolLM2's largest, gate/up, has 1.8 M; the
+# 8B shape's smallest 16.8 M) take a tree step of up to ROWS_GEMM_MAX_TOKENS tokens whole through our kernels when
+# ROWS_LAYER: four products with the norms, rotary, the cache write, SiLU and the residual adds inside them, and
+# the two attention kernels, 6 kernels a layer instead of 9. Their products are latency-bound (a matrix of 3.5 MB
+# at most streams in under a microsecond), so their tiles (BLOCK_M tokens, BLOCK_N outputs, BLOCK_K columns,
+# warps, stages) for the QKV product with rotary, the gated gate/up and the others trade re-reads of a weight
+# tile from L2 for programs on more SMs. H200, session t (build/probe_tree_gemm.py --layer 64 --shape smollm2,
+# the best of 36 tiles each): 5.2 + 3.0 + 6.5 + 4.5 us for a 64-token step's four products, where cuBLAS's bare
+# products take 3.1 + 3.3 + 3.5 + 4.6 before their norms' and rotary's kernels; a random-weight SmolLM2 EAGLE
+# step (build/probe_eagle_step.py) 1.341 -> 1.301 ms, -2.7 to -3.0 % on three machines.
+ROWS_LAYER = True
+ROWS_SMALL_WEIGHTS = 1 << 22
+ROWS_SMALL_ROPE_TILE = (16, 32, 64, 4, 3)
+ROWS_SMALL_GATED_TILE = (16, 64, 64, 4, 3)
+ROWS_SMALL_TILE = (64, 16, 128, 4, 3)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # An EAGLE drafter's LM head, log-softmax and top-k at every draft depth in one kernel (draft_topk): each
 # program takes DRAFT_TOPK_TILE vocabulary rows, computes their logits for all the depth's rows (at most
@@ -190,8 +206,7 @@ def attach(model: nn.Module, kernels: str | None = None, device_types: tuple[str
         m.gemv = gemv
     fused = [m for m in layers if kernels == "fused" and fusable(m)]
     for m in layers:
-        m.fused = single_token_layer if m in fused else None
-        m.fused_mlp = several_token_mlp if m in fused else None
+        m.fused = fused_layer if m in fused else None
     return {"gemv_layers": len(linears) if gemv else 0, "fused_layers": len(fused),
             "attention_layers": sum(m.slot_attention is not None for m in attentions),
             "draft_topk": len(drafters) if topk else 0}
@@ -207,6 +222,20 @@ def fusable(layer: DecoderLayer) -> bool:
 
 def power_of_two(n: int) -> bool:
     return n & (n - 1) == 0
+
+
+def fused_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContext", index: int) -> torch.Tensor:
+    """DecoderLayer.forward through the kernels: a single token's all through (single_token_layer); a tree
+    step's of a small layer all through (several_token_layer); other steps of several tokens from the MLP's
+    norm on (several_token_mlp)."""
+    tokens = x.shape[:-1].numel()
+    if tokens == 1:
+        return single_token_layer(layer, x, ctx, index)
+    if (ROWS_LAYER and ctx.region is not None and tokens <= ROWS_GEMM_MAX_TOKENS
+            and layer.attention.head_size >= TREE_MIN_ROWS and layer.mlp.fc_gate.weight.numel() <= ROWS_SMALL_WEIGHTS):
+        return several_token_layer(layer, x, ctx, index)
+    x = x + layer.attention(layer.input_layernorm(x), ctx, index)
+    return several_token_mlp(layer, x)
 
 
 def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContext", index: int) -> torch.Tensor:
@@ -246,3 +275,20 @@ def several_token_mlp(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
     rows = x.view(tokens, -1)
     gated = rows_gemm(layer.post_layernorm(rows), layer.mlp.fc_gate.weight, gated=True)
     return rows_gemm(gated, layer.mlp.proj.weight, residual=rows).view_as(x)
+
+
+def several_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContext", index: int) -> torch.Tensor:
+    """DecoderLayer.forward for a graph step of several tokens of one sequence (x [1, T, H], ctx with a
+    region): single_token_layer's six kernels for T rows, through rows_rope_store, slot_attention and
+    rows_gemm, the norms inside the QKV and gate/up products."""
+    from pipeline.engine.fused_kernels import rows_gemm, rows_rope_store, slot_attention
+
+    a, mlp, norm, post = layer.attention, layer.mlp, layer.input_layernorm, layer.post_layernorm
+    rows = x.view(-1, x.shape[-1])
+    q = rows_rope_store(rows, a.qkv.weight, norm.weight, norm.eps, ctx.rotary.cos, ctx.rotary.sin,
+                        ctx.positions.view(-1), ctx.slots.view(-1), ctx.cache.k, ctx.cache.v, index, a.num_heads)
+    out = slot_attention(q.view(-1, a.num_heads, a.head_size), ctx.cache.k[index, 0], ctx.cache.v[index, 0],
+                         *ctx.visible_slots())
+    h = rows_gemm(out.view(rows.shape[0], -1), a.dense.weight, residual=rows)
+    gated = rows_gemm(h, mlp.fc_gate.weight, gated=True, norm=post.weight, eps=post.eps)
+    return rows_gemm(gated, mlp.proj.weight, residual=h).view_as(x)

@@ -15,7 +15,10 @@ import triton.language as tl
 from pipeline.engine.fused import (ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_SPLITS, ATTENTION_PROGRAMS, BLOCK_K,
                                    BLOCK_ROWS, DRAFT_TOPK_BLOCK_H, DRAFT_TOPK_MAX_ROWS, DRAFT_TOPK_TILE,
                                    DRAFT_TOPK_WARPS, FLOAT32_DOT, NUM_WARPS, ONE_TOKEN_TILES, ROW_TOPK_MAX,
-                                   ROWS_GEMM_GATED_TILE, ROWS_GEMM_MAX_TOKENS, ROWS_GEMM_TILE, TREE_BLOCK_ROWS,
+                                   ROWS_GEMM_GATED_TILE, ROWS_GEMM_MAX_TOKENS, ROWS_GEMM_TILE,
+                                   ROWS_SMALL_GATED_TILE, ROWS_SMALL_ROPE_TILE, ROWS_SMALL_TILE,
+                                   ROWS_SMALL_WEIGHTS,
+                                   TREE_BLOCK_ROWS,
                                    TREE_BLOCK_SLOTS, TREE_MAX_BLOCKS_PER_SPLIT, TREE_MIN_BLOCKS_PER_SPLIT,
                                    TREE_MIN_ROWS)
 
@@ -121,30 +124,57 @@ def _(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None, eps: f
 
 
 @triton.jit
-def _rows_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, m, n, k, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[m, n] = x[m, k] W[n, k]^T for the few rows of a tree step: a program owns BLOCK_N outputs and
-    streams their rows of W once for BLOCK_M rows of x, on tensor cores. GATED and RESIDUAL are
-    _gemv_kernel's epilogues (SiLU(fc) * gate over W's two halves; + res). x's tiles go from memory
-    to the tensor cores untouched: with an RMS norm inside (squares summed and g * x taken from each
-    tile before its product) a 64-token pass's four products took 7.31 ms against the 3.96 their
-    tiles take plain (H200, session k)."""
-    dtype = y_ptr.dtype.element_ty
-    tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    live_tokens, live_outs = tokens < m, outs < n
+def _rows_products(x_ptr, w_ptr, norm_ptr, tokens, outs, live_tokens, live_outs, n, k, eps, dtype, NORM: tl.constexpr,
+                   GATED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """The float32 sums x[tokens] W[outs]^T on tensor cores, and (GATED) those of W's rows n further on.
+    NORM: each row of x is first RMS-normalised and scaled by norm_ptr with the unfused norm's roundings,
+    its scale from a first pass over the row (from L2: k values a row, against BLOCK_N * k weights; that
+    pass in steps of 512 or 1,024 columns instead of BLOCK_K measured slower on the H200, session t)."""
+    scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+    if NORM:
+        squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(x_ptr + tokens[:, None] * k + cols[None, :], mask=live_tokens[:, None] & (cols < k)[None, :],
+                         other=0.0).to(tl.float32)
+            squares += xs * xs
+        scale = tl.rsqrt(tl.sum(squares, axis=1) / k + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         inside = cols < k
         x = tl.load(x_ptr + tokens[:, None] * k + cols[None, :], mask=live_tokens[:, None] & inside[None, :], other=0.0)
+        if NORM:
+            g = tl.load(norm_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+            x = (g[None, :] * (x.to(tl.float32) * scale[:, None]).to(dtype).to(tl.float32)).to(dtype)
         tile = outs[:, None] * k + cols[None, :]
         mask = live_outs[:, None] & inside[None, :]
         acc = tl.dot(x, tl.trans(tl.load(w_ptr + tile, mask=mask, other=0.0)), acc, input_precision=PRECISION)
         if GATED:
             wg = tl.load(w_ptr + n * k + tile, mask=mask, other=0.0)
             gate = tl.dot(x, tl.trans(wg), gate, input_precision=PRECISION)
+    return acc, gate
+
+
+@triton.jit
+def _rows_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, norm_ptr, m, n, k, eps, RESIDUAL: tl.constexpr,
+                      GATED: tl.constexpr, NORM: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[m, n] = x[m, k] W[n, k]^T for the few rows of a tree step: a program owns BLOCK_N outputs of
+    BLOCK_M rows of x and streams their rows of W once for them, on tensor cores. GATED and RESIDUAL
+    are _gemv_kernel's epilogues (SiLU(fc) * gate over W's two halves; + res), NORM its prologue
+    (see _rows_products). At the 8B shape a 64-token pass's four products with the norms inside took
+    7.31 ms against the 3.96 their tiles take plain (H200, session k): there only small layers use it.
+    (Splitting K, the last of a tile's programs adding the parts, measured slower at SmolLM2's shapes
+    on the H200: 7.8 against 6.5 us for gate/up, 4.9 against 4.6 for down; session t.)"""
+    dtype = y_ptr.dtype.element_ty
+    tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live_tokens, live_outs = tokens < m, outs < n
+    acc, gate = _rows_products(x_ptr, w_ptr, norm_ptr, tokens, outs, live_tokens, live_outs, n, k, eps, dtype, NORM,
+                               GATED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     y = acc
     if GATED:
         y = _silu_times(acc, gate, dtype)
@@ -155,25 +185,40 @@ def _rows_gemm_kernel(x_ptr, w_ptr, y_ptr, res_ptr, m, n, k, RESIDUAL: tl.conste
     tl.store(y_ptr + offsets, y.to(dtype), mask=live)
 
 
+def _rows_tile(m: int, w: torch.Tensor, kind: str) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a rows kernel (kind rope, gated or plain): small weights
+    (see ROWS_SMALL_WEIGHTS) take their kind's small tile, others the gated or plain tile with all of x's
+    rows in one tile."""
+    if w.numel() <= ROWS_SMALL_WEIGHTS:
+        return {"rope": ROWS_SMALL_ROPE_TILE, "gated": ROWS_SMALL_GATED_TILE, "plain": ROWS_SMALL_TILE}[kind]
+    block_m = max(TREE_MIN_ROWS, min(ROWS_GEMM_MAX_TOKENS, triton.next_power_of_2(m)))
+    return (block_m, *(ROWS_GEMM_GATED_TILE if kind == "gated" else ROWS_GEMM_TILE))
+
+
+def _precision(x: torch.Tensor) -> str:
+    return FLOAT32_DOT if x.dtype == torch.float32 else "tf32"
+
+
 @torch.library.custom_op("specpipe::rows_gemm", mutates_args=())
-def rows_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
-              gated: bool = False) -> torch.Tensor:
-    """x [M, K] times w [N, K]^T -> [M, N] in x's dtype ([M, N / 2] gated), see _rows_gemm_kernel.
-    Float32 multiplies as FLOAT32_DOT says (the tests' CPU models; the engine sends half dtypes only)."""
+def rows_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False,
+              norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """x [M, K] (RMS-normalised with weight `norm` first, if given) times w [N, K]^T -> [M, N] in x's dtype
+    ([M, N / 2] gated), see _rows_gemm_kernel. Float32 multiplies as FLOAT32_DOT says (the tests' CPU
+    models; the engine sends half dtypes only)."""
     x, w = x.contiguous(), w.contiguous()
     (m, k), n = x.shape, w.shape[0] // 2 if gated else w.shape[0]
     y = x.new_empty(m, n)
-    block_n, block_k, warps, stages = ROWS_GEMM_GATED_TILE if gated else ROWS_GEMM_TILE
-    block_m = max(TREE_MIN_ROWS, min(ROWS_GEMM_MAX_TOKENS, triton.next_power_of_2(m)))
+    block_m, block_n, block_k, warps, stages = _rows_tile(m, w, "gated" if gated else "plain")
     _rows_gemm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
-        x, w, y, x if residual is None else residual.contiguous(), m, n, k, RESIDUAL=residual is not None,
-        GATED=gated, PRECISION=FLOAT32_DOT if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        x, w, y, x if residual is None else residual.contiguous(), x if norm is None else norm.contiguous(), m, n, k,
+        eps, RESIDUAL=residual is not None, GATED=gated, NORM=norm is not None, PRECISION=_precision(x),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return y
 
 
 @rows_gemm.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+def _(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False,
+      norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0] // 2 if gated else w.shape[0])
 
 
@@ -212,24 +257,33 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_pt
 
 
 @triton.jit
+def _rope_rows(HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr):
+    """A rotary kernel program's BLOCK rows of the QKV weight: (rotated, head, dims, rows). Rotate-half RoPE
+    pairs dim j of a head with dim j + HEAD / 2, so a program of the q and k heads takes BLOCK / 2 such pairs
+    of rows side by side (j, j + HEAD / 2, j + 1, ...), its dims j in the head's first half: it then holds
+    every partner it rotates with. Each row of W is contiguous, so the reads coalesce as well. Programs of
+    the v heads (not rotated) take consecutive rows, which they only store."""
+    PAIRS: tl.constexpr = BLOCK // 2
+    HALF: tl.constexpr = HEAD // 2
+    program = tl.program_id(0)
+    rotated = program < (HEADS + KV_HEADS) * HEAD // BLOCK
+    i = tl.arange(0, BLOCK)
+    head, first = program * PAIRS // HALF, program * PAIRS % HALF
+    dims = first + tl.arange(0, PAIRS)
+    rows = tl.where(rotated, head * HEAD + first + i // 2 + i % 2 * HALF, program * BLOCK + i)
+    return rotated, head, dims, rows
+
+
+@triton.jit
 def _gemv_rope_kernel(w_ptr, x_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, k, eps,
                       layer_offset, stride_slot, stride_head, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                       HEAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """_rope_store_kernel as the epilogue of the QKV GEMV (_gemv_kernel with NORM), one kernel a layer
-    fewer. Rotate-half RoPE pairs dim j of a head with dim j + HEAD / 2, so a program of the q and k
-    heads sums BLOCK_ROWS / 2 such pairs of rows, side by side, rather than consecutive rows: it then
-    holds every partner it rotates with. Each row of W is contiguous, so the reads coalesce as well.
-    Programs of the v heads sum consecutive rows, which they only store."""
+    fewer, each program summing the rows _rope_rows gives it."""
     dtype = q_ptr.dtype.element_ty
     PAIRS: tl.constexpr = BLOCK_ROWS // 2
     HALF: tl.constexpr = HEAD // 2
-    program = tl.program_id(0)
-    rotated = program < (HEADS + KV_HEADS) * HEAD // BLOCK_ROWS
-    i = tl.arange(0, BLOCK_ROWS)
-    head, first = program * PAIRS // HALF, program * PAIRS % HALF  # a q or k program's head, its first j
-    dims = first + tl.arange(0, PAIRS)  # its dims j in the head's first half
-    pairs = head * HEAD + first + i // 2 + i % 2 * HALF  # rows j, j + HALF, j + 1, j + 1 + HALF, ...
-    rows = tl.where(rotated, pairs, program * BLOCK_ROWS + i)
+    rotated, head, dims, rows = _rope_rows(HEADS, KV_HEADS, HEAD, BLOCK_ROWS)
     pos, slot = tl.load(pos_ptr), tl.load(slot_ptr)  # in flight during the products, not after them
     n = (HEADS + 2 * KV_HEADS) * HEAD
     y, _ = _gemv_rows(w_ptr, x_ptr, norm_ptr, rows, rows < n, n, k, eps, dtype, True, False, BLOCK_ROWS, BLOCK_K)
@@ -299,6 +353,71 @@ def _(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: float, cos: tor
       position: torch.Tensor, slot: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
       heads: int) -> torch.Tensor:
     return x.new_empty(heads * k_cache.shape[-1])
+
+
+@triton.jit
+def _rows_rope_kernel(x_ptr, w_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, m, k, eps,
+                      layer_offset, stride_slot, stride_head, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                      HEAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """_gemv_rope_kernel for several tokens: the QKV product of BLOCK_M tokens (their norm inside, see
+    _rows_products) with rotary and the cache write as its epilogue, a program's BLOCK_N outputs the rows
+    _rope_rows gives it. Each token has its own position and slot."""
+    dtype = q_ptr.dtype.element_ty
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    HALF: tl.constexpr = HEAD // 2
+    rotated, head, dims, outs = _rope_rows(HEADS, KV_HEADS, HEAD, BLOCK_N)
+    tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = tokens < m
+    pos = tl.load(pos_ptr + tokens, mask=live, other=0)
+    slot = tl.load(slot_ptr + tokens, mask=live, other=0)
+    n = (HEADS + 2 * KV_HEADS) * HEAD
+    y, _ = _rows_products(x_ptr, w_ptr, norm_ptr, tokens, outs, live, outs < n, n, k, eps, dtype, True, False,
+                          PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    y = y.to(dtype).to(tl.float32)  # the unfused product's output
+    if rotated:
+        low, high = tl.split(tl.reshape(y, (BLOCK_M, PAIRS, 2)))
+        angles = pos[:, None] * HEAD + dims[None, :]
+        out_low = _rotary(low, -high, cos_ptr, sin_ptr, angles, dtype).to(dtype)
+        out_high = _rotary(high, low, cos_ptr, sin_ptr, angles + HALF, dtype).to(dtype)
+        if head < HEADS:
+            out = q_ptr + (tokens * HEADS * HEAD + head * HEAD)[:, None] + dims[None, :]
+        else:
+            out = k_ptr + (layer_offset + slot * stride_slot + (head - HEADS) * stride_head)[:, None] + dims[None, :]
+        tl.store(out, out_low, mask=live[:, None])
+        tl.store(out + HALF, out_high, mask=live[:, None])
+    else:
+        v_cols = outs - (HEADS + KV_HEADS) * HEAD
+        v_out = v_ptr + (layer_offset + slot * stride_slot)[:, None] + (v_cols // HEAD * stride_head + v_cols % HEAD)[None, :]
+        tl.store(v_out, y.to(dtype), mask=live[:, None])
+
+
+@torch.library.custom_op("specpipe::rows_rope_store", mutates_args=("k_cache", "v_cache"))
+def rows_rope_store(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, layer: int, heads: int) -> torch.Tensor:
+    """gemv_rope_store for tokens x [M, K] at RoPE positions `positions` and cache slots `slots` [M]
+    (_rows_rope_kernel) -> rotated q [M, H D]. The head size is a power of two of 16 at least."""
+    kv_heads, head = k_cache.shape[-2], k_cache.shape[-1]
+    assert w.shape[0] == (heads + 2 * kv_heads) * head
+    x, w = x.contiguous(), w.contiguous()
+    m = x.shape[0]
+    q = x.new_empty(m, heads * head)
+    block_m, block_n, block_k, warps, stages = _rows_tile(m, w, "rope")
+    block_n = min(block_n, head)  # a program's row pairs lie in one head
+    _rows_rope_kernel[(w.shape[0] // block_n, triton.cdiv(m, block_m))](
+        x, w, norm.contiguous(), cos, sin, positions.contiguous(), slots.contiguous(), q, k_cache, v_cache,
+        m, w.shape[1], eps, *_cache_offsets(k_cache, v_cache, cos, sin, layer), HEADS=heads, KV_HEADS=kv_heads,
+        HEAD=head, PRECISION=_precision(x), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        num_stages=stages)
+    return q
+
+
+@rows_rope_store.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+      positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
+      heads: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], heads * k_cache.shape[-1])
 
 
 @triton.jit

@@ -261,10 +261,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    # fused.single_token_layer and fused.several_token_mlp when fused.attach routed this layer's steps to
-    # the kernels: single tokens all through, steps of several tokens from the MLP's norm on
+    # fused.fused_layer when fused.attach routed this layer's steps to the kernels
     fused: Callable[["DecoderLayer", torch.Tensor, "ForwardContext", int], torch.Tensor] | None = None
-    fused_mlp: Callable[["DecoderLayer", torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig, input_norm: bool = True):
         super().__init__()
@@ -275,11 +273,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
-        if self.fused is not None and x.shape[:-1].numel() == 1:
+        if self.fused is not None:
             return self.fused(self, x, ctx, layer)
         x = x + self.attention(self.input_layernorm(x), ctx, layer)
-        if self.fused_mlp is not None:
-            return self.fused_mlp(self, x)
         return x + self.mlp(self.post_layernorm(x))
 
 
