@@ -15,10 +15,8 @@ import triton.language as tl
 from pipeline.engine.fused import (ATTENTION_CHUNK_SLOTS, ATTENTION_MAX_SPLITS, ATTENTION_PROGRAMS, BLOCK_K,
                                    BLOCK_ROWS, DRAFT_TOPK_BLOCK_H, DRAFT_TOPK_MAX_ROWS, DRAFT_TOPK_TILE,
                                    DRAFT_TOPK_WARPS, FLOAT32_DOT, NUM_WARPS, ONE_TOKEN_TILES, ROW_TOPK_MAX,
-                                   ROWS_GEMM_GATED_TILE, ROWS_GEMM_MAX_TOKENS, ROWS_GEMM_TILE,
-                                   ROWS_SMALL_GATED_TILE, ROWS_SMALL_ROPE_TILE, ROWS_SMALL_TILE,
-                                   ROWS_SMALL_WEIGHTS,
-                                   TREE_BLOCK_ROWS,
+                                   ROWS_GEMM_GATED_TILE, ROWS_GEMM_MAX_TOKENS, ROWS_GEMM_TILE, ROWS_SMALL_GATED_TILE,
+                                   ROWS_SMALL_ROPE_TILE, ROWS_SMALL_TILE, ROWS_SMALL_WEIGHTS, TREE_BLOCK_ROWS,
                                    TREE_BLOCK_SLOTS, TREE_MAX_BLOCKS_PER_SPLIT, TREE_MIN_BLOCKS_PER_SPLIT,
                                    TREE_MIN_ROWS)
 
