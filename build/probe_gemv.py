@@ -30,6 +30,9 @@ SHAPES = {"qkv": (6144, 4096, 32, "norm"), "o": (4096, 4096, 32, "residual"),
 SWEEP = ((8, 1024, 8), (16, 1024, 8), (4, 1024, 4), (1, 1024, 4), (2, 1024, 4), (8, 512, 8))  # rows, columns, warps
 COPIES = 6
 REPS = 4 * COPIES
+# A real step reads SmolLM2's 270 MB of weights from memory; cycling 6 copies of its 0.7-3.5 MB matrices kept them
+# in the H200's 60 MB L2 and chose session t's tree tiles on that (BENCHMARKS §2 (u)).
+COLD_L2_MULTIPLE = 3
 EPS = 1e-5
 
 
@@ -40,8 +43,15 @@ def probe_device(doc: str) -> torch.device:
     return torch.device(ap.parse_args().device)
 
 
-def timed(fn) -> float:
-    """Median microseconds of fn(i) over one graph of REPS calls."""
+def cold_copies(nbytes: int) -> int:
+    """How many copies of nbytes of weights a timed graph cycles through for each to come from memory, not L2:
+    COLD_L2_MULTIPLE times the L2 streamed between two reads of one copy."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(2, -(-COLD_L2_MULTIPLE * l2 // nbytes))
+
+
+def timed(fn, reps: int = REPS) -> float:
+    """Median microseconds of fn(i) over one graph of `reps` calls."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -50,7 +60,7 @@ def timed(fn) -> float:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(REPS):
+        for i in range(reps):
             fn(i)
     graph.replay()
     torch.cuda.synchronize()
@@ -58,7 +68,7 @@ def timed(fn) -> float:
     for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record(); graph.replay(); b.record(); torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / REPS * 1e3)
+        times.append(a.elapsed_time(b) / reps * 1e3)
     return sorted(times)[len(times) // 2]
 
 

@@ -122,11 +122,12 @@ MLP_SHAPES = {"llama3-8b": (4096, 14336, 32), "smollm2": (576, 1536, 30)}  # hid
 
 
 def mlp(shape: str) -> None:
-    from probe_gemv import COPIES, timed
+    from probe_gemv import cold_copies, timed
 
     from pipeline.engine import fused_kernels
 
     HIDDEN, INTERMEDIATE, LAYERS = MLP_SHAPES[shape]
+    COPIES = cold_copies(3 * INTERMEDIATE * HIDDEN * 2)
     engine_tiles = fused_kernels.ROWS_GEMM_GATED_TILE, fused_kernels.ROWS_GEMM_TILE
     torch.manual_seed(0)
     t0 = time.time()
@@ -180,7 +181,9 @@ def mlp(shape: str) -> None:
 
 
 # fused.ROWS_SMALL_*TILE: BLOCK_M tokens, BLOCK_N outputs, BLOCK_K columns, warps, stages
-LAYER_SWEEP = tuple(itertools.product((16, 32, 64), (16, 32, 64), (64, 128), (4,), (2, 3)))
+# (Session u swept 2 and 4 warps and 2-4 stages on the H200: 2 warps never won, 4 stages did; then 5 stages won
+# inside the EAGLE step, build/probe_eagle_step.py.)
+LAYER_SWEEP = tuple(itertools.product((16, 32, 64), (16, 32, 64), (64, 128), (4,), (2, 3, 4, 5)))
 TILE_NAMES = {"rope": "ROWS_SMALL_ROPE_TILE", "gated": "ROWS_SMALL_GATED_TILE", "plain": "ROWS_SMALL_TILE"}
 LAYER_SHAPES = {"smollm2": (576, 1536, 9, 3, 64)}  # hidden, intermediate, heads, kv heads, head size
 
@@ -189,7 +192,7 @@ def layer(shape: str, tokens: int) -> None:
     """A small layer's four products as fused.several_token_layer runs them, over a sweep of fused's
     ROWS_SMALL_*TILE: the QKV product with its norm, rotary and cache write; the output product and its residual; the
     gated gate/up with its norm; down and its residual. cuBLAS's bare product of each for scale."""
-    from probe_gemv import COPIES, timed
+    from probe_gemv import REPS, cold_copies, timed
 
     from pipeline.engine import fused_kernels
     from pipeline.engine.model import Rotary
@@ -201,7 +204,8 @@ def layer(shape: str, tokens: int) -> None:
     qkv_out = (heads + 2 * kv_heads) * head
     weights = {"rope": (qkv_out, hidden), "output": (hidden, heads * head), "gated": (2 * inter, hidden),
                "down": (hidden, inter)}
-    ws = {name: [torch.randn(*shape_, **bf) * 0.02 for _ in range(COPIES)] for name, shape_ in weights.items()}
+    copies = {name: cold_copies(rows * cols * 2) for name, (rows, cols) in weights.items()}
+    ws = {name: [torch.randn(*shape_, **bf) * 0.02 for _ in range(copies[name])] for name, shape_ in weights.items()}
     x, r, g = torch.randn(tokens, hidden, **bf), torch.randn(tokens, hidden, **bf), torch.randn(hidden, **bf)
     att, h = torch.randn(tokens, heads * head, **bf), torch.randn(tokens, inter, **bf)
     rotary = Rotary(head, 1e4, None, 1024)
@@ -216,7 +220,8 @@ def layer(shape: str, tokens: int) -> None:
         "down": (lambda w: fused_kernels.rows_gemm(h, w, residual=r), "plain", h)}
     best_sum, per_tile = 0.0, {}
     for name, (run, kind, inp) in runs.items():
-        t_cublas = timed(lambda i: F.linear(inp, ws[name][i % COPIES]))
+        n_copies, reps = copies[name], max(REPS, copies[name])
+        t_cublas = timed(lambda i: F.linear(inp, ws[name][i % n_copies]), reps)
         times = {}
         for tile in LAYER_SWEEP:
             setattr(fused_kernels, TILE_NAMES[kind], tile)
@@ -224,12 +229,12 @@ def layer(shape: str, tokens: int) -> None:
                 run(ws[name][0])
             except triton.runtime.errors.OutOfResources:
                 continue
-            times[tile] = timed(lambda i: run(ws[name][i % COPIES]))
+            times[tile] = timed(lambda i: run(ws[name][i % n_copies]), reps)
             per_tile.setdefault(kind, {}).setdefault(tile, 0.0)
             per_tile[kind][tile] += times[tile]
         top = sorted(times, key=times.get)[:6]
         best_sum += times[top[0]]
-        print(f"{name:<7} {weights[name]} cuBLAS {t_cublas:5.1f} us; rows kernel: " + "  ".join(
+        print(f"{name:<7} {weights[name]} x{n_copies} cuBLAS {t_cublas:5.1f} us; rows kernel: " + "  ".join(
             f"{','.join(map(str, c))}: {times[c]:.1f}" for c in top), flush=True)
     best = {kind: min(tiles, key=tiles.get) for kind, tiles in per_tile.items()}
     for kind, tile in best.items():

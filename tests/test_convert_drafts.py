@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -198,6 +199,43 @@ def test_eagle3_draft_is_kept_beside_a_plain_target(target, tmp_path: Path, caps
     assert engine.spec.mode == "eagle3" and (engine.draft_dir / "model.safetensors").is_file()
     assert main(["build", "--checkpoint", str(ckpt), "--output", str(tmp_path / "t"), "--backend", "trtllm", "--dry-run"]) == 2
     assert "Eagle3DecodingConfig" in capsys.readouterr().err
+
+
+def test_eagle3_draft_vocab_keeps_the_most_frequent_response_tokens(target, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    vocab = target.config.vocab_size
+    draft_dir = make_random_eagle3(tmp_path / "e3", HIDDEN, vocab, with_lm_head=False)  # as SmolLM2's: the target's
+    # Two rows as DistillSet.save_tokens writes them: prompts of 2 and 1 tokens (4 4 | 4: not counted), responses
+    # 5 5 5 7 7 9 | 3 3 3 3 1 1 9. Counts 3: 4, 5: 3, then 1, 7 and 9 tie on 2, where the lower ids win.
+    rows = [[4, 4, 5, 5, 5, 7, 7, 9], [4, 3, 3, 3, 3, 1, 1, 9]]
+    tokens = tmp_path / "tokens.npz"
+    np.savez(tokens, tokens=np.array(sum(rows, []), dtype=np.uint16), lengths=np.array([8, 8]),
+             prompt_lens=np.array([2, 1]))
+    ckpt = convert(target, tmp_path / "ckpt", drafts=DraftInputs(eagle3=str(draft_dir), draft_vocab=4,
+                                                                 vocab_tokens=str(tokens)))
+    draft_cfg = json.loads((ckpt / "draft" / "config.json").read_text())
+    out = load_file(str(ckpt / "draft" / "model.safetensors"))
+    kept = torch.tensor([1, 3, 5, 7])
+    assert draft_cfg["draft_vocab_size"] == 4 and torch.equal(out["d2t"] + torch.arange(4), kept)
+    assert torch.equal(out["lm_head.weight"], target.lm_head[kept]) and out["t2d"].sum() == 4 and out["t2d"][kept].all()
+    assert main(["convert", "--target", str(tiny_llama_dir), "--output", str(tmp_path / "cli"), "--eagle3",
+                 str(draft_dir), "--draft-vocab", "4", "--vocab-tokens", str(tokens)]) == 0
+    assert torch.equal(load_file(str(tmp_path / "cli" / "draft" / "model.safetensors"))["d2t"], out["d2t"])
+    # (Such drafts' greedy speculation is lossless: tests/test_speculative.py's small-vocab case, whose tiny draft
+    # make_random_eagle3 reduces through the same reduce_vocab.)
+    for drafts, message in [(DraftInputs(eagle3=str(draft_dir), draft_vocab=4), "go together"),
+                            (DraftInputs(eagle3=str(draft_dir), draft_vocab=vocab, vocab_tokens=str(tokens)),
+                             f"between 1 and {vocab - 1}"),
+                            (DraftInputs(eagle3=str(draft_dir), draft_vocab=4, vocab_tokens=str(tmp_path / "no.npz")),
+                             "token file not found"),
+                            (DraftInputs(eagle=str(make_random_eagle(tmp_path / "e2", HIDDEN, vocab)), draft_vocab=4,
+                                         vocab_tokens=str(tokens)), "only EAGLE-3 drafts")]:
+        with pytest.raises(UserError, match=message):
+            convert(target, tmp_path / "bad", drafts=drafts)
+        assert_no_output(tmp_path / "bad")
+    np.savez(tokens, tokens=np.array([vocab + 1], dtype=np.int64))
+    with pytest.raises(UserError, match=f"outside the target's vocabulary of {vocab}"):
+        convert(target, tmp_path / "bad", drafts=DraftInputs(eagle3=str(draft_dir), draft_vocab=4,
+                                                             vocab_tokens=str(tokens)))
 
 
 def test_eagle3_mismatch_is_refused(target, tmp_path: Path) -> None:

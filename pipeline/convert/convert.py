@@ -21,6 +21,8 @@ class DraftInputs:
     num_eagle_layers: int | None = None
     max_non_leaves_per_layer: int | None = None
     eagle3: str | None = None
+    draft_vocab: int | None = None  # EAGLE-3: a smaller draft vocabulary, its most frequent tokens in vocab_tokens
+    vocab_tokens: str | None = None
     draft_model: str | None = None
     max_draft_len: int | None = None
 
@@ -36,6 +38,8 @@ def convert(target: str | Path | TargetSource, output: str | Path, dtype: str = 
     """Write the checkpoint for `target` (and its draft) into `output`; nothing is left on failure."""
     torch_dtype = parse_dtype(dtype)
     kind = drafts.kind()
+    if (drafts.draft_vocab is not None or drafts.vocab_tokens is not None) and kind != "eagle3":
+        raise UserError("--draft-vocab: only EAGLE-3 drafts have a vocabulary of their own (d2t); give --eagle3")
     if kind == "eagle" and pp != 1:
         raise UserError(f"--pp-size {pp}: EAGLE checkpoints need pp_size 1 (TensorRT-LLM has no EAGLE pipeline parallelism)")
     source = target if isinstance(target, TargetSource) else load_target(target)
@@ -53,7 +57,7 @@ def convert(target: str | Path | TargetSource, output: str | Path, dtype: str = 
                                         drafts.max_draft_len, drafts.max_non_leaves_per_layer)
         elif kind == "eagle3":
             from pipeline.convert.eagle3 import write_eagle3_draft
-            write_eagle3_draft(tmp, source, drafts.eagle3, torch_dtype)
+            write_eagle3_draft(tmp, source, drafts.eagle3, torch_dtype, drafts.draft_vocab, drafts.vocab_tokens)
         elif kind == "draft_model":
             from pipeline.convert.draft_model import write_draft_model
             write_draft_model(tmp, source, drafts.draft_model, torch_dtype, tp)

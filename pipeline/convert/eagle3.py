@@ -13,6 +13,12 @@ speculative model:
 Draft layout: fc [H, 3H] over three captured target features; one `midlayer` whose attention reads
 2H = concat(norm(embedding), norm(feature)); its own `norm`; an optional lm_head over a draft
 vocabulary with `d2t` (target_id = draft_id + d2t[draft_id]) and `t2d` when that vocabulary is smaller.
+
+A draft trained on the whole vocabulary can be given a smaller one here (`draft_vocab`): its LM head keeps the rows
+of the tokens most frequent in a token file's responses (frequency-ranked drafting, as FR-Spec; the drafts' training
+data in drafts/distill/ holds the target's own greedy replies). The drafter's LM
+head is read at every draft depth, a fifth of SmolLM2's weights each time, so this cuts what a draft step reads;
+verification still decides every token, so greedy output stays that of the target.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -69,8 +76,51 @@ def validate_eagle3(folder: Path, draft: dict[str, Any], weights: dict[str, torc
         raise UserError(f"{folder}: hidden_size {draft['hidden_size']} differs from the target's {target_h}, so the draft needs embed_tokens.weight")
 
 
-def write_eagle3_draft(ckpt_dir: Path, source: TargetSource, path: str, dtype: torch.dtype) -> None:
-    """Validate the EAGLE-3 draft and write it (in `dtype`) into ckpt_dir/draft/."""
+def frequent_tokens(path: str | Path, size: int, vocab: int) -> torch.Tensor:
+    """The `size` ids most frequent in a token file, ascending: an .npz of `tokens`, as DistillSet.save_tokens
+    writes the drafts' training data (with its `lengths` and `prompt_lens`, only the responses count: the
+    target's own greedy continuations, what a draft guesses); ties go to the lower id."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"{file}: token file not found; give the .npz of token ids that ranks the draft's vocabulary")
+    try:
+        data = np.load(file)
+        tokens = data["tokens"].astype(np.int64)
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        raise UserError(f"{file}: not a token file ({e}); give an .npz with a 'tokens' array of token ids, "
+                        f"as the drafts' training data in drafts/distill/") from None
+    if {"lengths", "prompt_lens"} <= set(data.files):
+        lengths, prompts = data["lengths"], data["prompt_lens"]
+        offsets = np.arange(tokens.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        tokens = tokens[offsets >= np.repeat(prompts, lengths)]
+    if tokens.size == 0 or tokens.min() < 0 or tokens.max() >= vocab:
+        found = f"ids {tokens.min()}-{tokens.max()}" if tokens.size else "no tokens"
+        raise UserError(f"{file}: {found}, outside the target's vocabulary of {vocab}; give the token file of "
+                        f"this target's tokenizer")
+    counts = torch.from_numpy(np.bincount(tokens, minlength=vocab))
+    return torch.sort(torch.argsort(-counts, stable=True)[:size]).values
+
+
+def reduce_vocab(weights: dict[str, torch.Tensor], kept: torch.Tensor, vocab: int) -> None:
+    """weights' LM head (where they have one) to the rows of `kept` (target ids, ascending), with the d2t and t2d
+    maps for them."""
+    if "lm_head.weight" in weights:
+        weights["lm_head.weight"] = weights["lm_head.weight"][kept]
+    weights["d2t"] = kept - torch.arange(kept.numel())
+    weights["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, kept, True)
+
+
+def write_eagle3_draft(ckpt_dir: Path, source: TargetSource, path: str, dtype: torch.dtype,
+                       draft_vocab: int | None = None, vocab_tokens: str | None = None) -> None:
+    """Validate the EAGLE-3 draft and write it (in `dtype`) into ckpt_dir/draft/, with a vocabulary of the
+    `draft_vocab` tokens most frequent in `vocab_tokens` if given (see frequent_tokens)."""
+    vocab = source.config.vocab_size
+    if (draft_vocab is None) != (vocab_tokens is None):
+        raise UserError("--draft-vocab and --vocab-tokens go together: the size of the draft's vocabulary and the "
+                        "token file whose most frequent tokens make it")
+    if draft_vocab is not None and not 0 < draft_vocab < vocab:
+        raise UserError(f"--draft-vocab {draft_vocab}: give a size between 1 and {vocab - 1} (the target's "
+                        f"vocabulary has {vocab})")
     folder = Path(path)
     if not folder.is_dir():
         raise UserError(f"{folder}: EAGLE-3 draft folder not found; give the folder with config.json and the weights")
@@ -80,12 +130,19 @@ def write_eagle3_draft(ckpt_dir: Path, source: TargetSource, path: str, dtype: t
             raise UserError(f"{folder}/config.json: missing {key!r}; not an EAGLE-3 draft config")
     weights = read_hf_weights(folder)
     validate_eagle3(folder, draft, weights, source)
-    draft_vocab = draft.get("draft_vocab_size") or source.config.vocab_size
+    own_vocab = draft.get("draft_vocab_size") or vocab
     if "lm_head.weight" not in weights:
-        if draft_vocab != source.config.vocab_size:
-            raise UserError(f"{folder}: no lm_head.weight and draft_vocab_size {draft_vocab} differs from the target's vocabulary")
+        if own_vocab != vocab:
+            raise UserError(f"{folder}: no lm_head.weight and draft_vocab_size {own_vocab} differs from the target's "
+                            "vocabulary")
         print(f"note: {folder}: no lm_head.weight; using the target's lm_head")
         weights["lm_head.weight"] = source.lm_head
+    if draft_vocab is not None:
+        if own_vocab != vocab:
+            raise UserError(f"{folder}: the draft already has a vocabulary of {own_vocab} tokens; --draft-vocab "
+                            f"chooses one for drafts over the whole vocabulary ({vocab})")
+        reduce_vocab(weights, frequent_tokens(vocab_tokens, draft_vocab, vocab), vocab)
+    draft_vocab = draft_vocab or own_vocab
     out = {k: (v if k in VOCAB_MAPS else v.to(dtype)).contiguous() for k, v in weights.items()}
     config = dict(draft, architectures=[EAGLE3_ARCHITECTURE], draft_vocab_size=draft_vocab,
                   torch_dtype=str(dtype).removeprefix("torch."), target_hidden_size=source.config.hidden_size)

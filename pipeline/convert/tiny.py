@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from pipeline.convert.eagle3 import reduce_vocab
+
 BOS, EOS, IM_START, IM_END = "<|bos|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"  # Qwen2 tokenizers expect <|endoftext|>
 TOKENIZER_VOCAB = 509  # odd on purpose: TP 2 must pad the vocabulary
 CHAT_TEMPLATE = (
@@ -193,12 +195,10 @@ def make_random_eagle3(out_dir: str | Path, hidden: int, vocab: int, draft_vocab
     for norm in ("input_layernorm", "hidden_norm"):
         tensors[f"midlayer.{norm}.weight"] = 1.0 + torch.randn(hidden, generator=gen) * NORM_JITTER
     if with_lm_head:
-        tensors["lm_head.weight"] = _randn(gen, draft_vocab, hidden)
-    if draft_vocab != vocab:
-        # The draft keeps a subset of target ids: target_id = draft_id + d2t[draft_id].
+        tensors["lm_head.weight"] = _randn(gen, vocab, hidden)
+    if draft_vocab != vocab:  # the draft keeps a random subset of target ids
         kept = torch.sort(torch.randperm(vocab, generator=gen)[:draft_vocab]).values
-        tensors["d2t"] = kept - torch.arange(draft_vocab)
-        tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, kept, True)
+        reduce_vocab(tensors, kept, vocab)
     config = _draft_config(hidden, vocab, inter, heads, kv_heads, head_dim, 1,
                            architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab, bias=False)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -122,15 +122,18 @@ ROWS_GEMM_TILE = (32, 256, 4, 4)
 # the two attention kernels, 6 kernels a layer instead of 9. Their products are latency-bound (a matrix of 3.5 MB
 # at most streams in under a microsecond), so their tiles (BLOCK_M tokens, BLOCK_N outputs, BLOCK_K columns,
 # warps, stages) for the QKV product with rotary, the gated gate/up and the others trade re-reads of a weight
-# tile from L2 for programs on more SMs. H200, session t (build/probe_tree_gemm.py --layer 64 --shape smollm2,
-# the best of 36 tiles each): 5.2 + 3.0 + 6.5 + 4.5 us for a 64-token step's four products, where cuBLAS's bare
-# products take 3.1 + 3.3 + 3.5 + 4.6 before their norms' and rotary's kernels; a random-weight SmolLM2 EAGLE
-# step (build/probe_eagle_step.py) 1.341 -> 1.301 ms, -2.7 to -3.0 % on three machines.
+# tile from L2 for programs on more SMs, and keep several loads in flight against the latency of weights read
+# from memory. H200, session u (build/probe_tree_gemm.py --layer 64 --shape smollm2, weights cycled past L2, the
+# best of 108 tiles each): 5.6 + 3.5 + 6.5 + 5.4 us for a 64-token step's four products with 4 stages, where
+# cuBLAS's bare products take 3.5 + 3.7 + 4.3 + 5.2 before their norms' and rotary's kernels; a random-weight
+# SmolLM2 EAGLE step (build/probe_eagle_step.py) 1.305 ms with session t's 3 stages (tiles chosen on weights L2
+# held), 1.212 with 4, 1.193 with 5 or 6 (6 took no less); session t's step with cuBLAS and 9 kernels a layer
+# was 1.341.
 ROWS_LAYER = True
 ROWS_SMALL_WEIGHTS = 1 << 22
-ROWS_SMALL_ROPE_TILE = (16, 32, 64, 4, 3)
-ROWS_SMALL_GATED_TILE = (16, 64, 64, 4, 3)
-ROWS_SMALL_TILE = (64, 16, 128, 4, 3)
+ROWS_SMALL_ROPE_TILE = (16, 32, 64, 4, 5)
+ROWS_SMALL_GATED_TILE = (16, 64, 64, 4, 5)
+ROWS_SMALL_TILE = (64, 16, 128, 4, 5)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # An EAGLE drafter's LM head, log-softmax and top-k at every draft depth in one kernel (draft_topk): each
 # program takes DRAFT_TOPK_TILE vocabulary rows, computes their logits for all the depth's rows (at most

@@ -128,7 +128,9 @@ def _rows_products(x_ptr, w_ptr, norm_ptr, tokens, outs, live_tokens, live_outs,
     """The float32 sums x[tokens] W[outs]^T on tensor cores, and (GATED) those of W's rows n further on.
     NORM: each row of x is first RMS-normalised and scaled by norm_ptr with the unfused norm's roundings,
     its scale from a first pass over the row (from L2: k values a row, against BLOCK_N * k weights; that
-    pass in steps of 512 or 1,024 columns instead of BLOCK_K measured slower on the H200, session t)."""
+    pass in steps of 512 or 1,024 columns instead of BLOCK_K measured slower on the H200, session t). Neither
+    the squares from the product loop's own x tiles nor the norm's g folded into W (x's tiles straight into
+    the products, the scale on their sums) was faster there (session u)."""
     scale = tl.full((BLOCK_M,), 1.0, tl.float32)
     if NORM:
         squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
