@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""Batch-1 products of the Llama-3-8B shapes on CUDA: cuBLAS against the engine's Triton GEMV kernel
-(plain, with the fused RMS norm, with the fused residual add) over a sweep of block sizes.
+"""Batch-1 products of the Llama-3-8B (or SmolLM2) shapes on CUDA: cuBLAS against the engine's Triton GEMV
+kernel (plain, with the fused RMS norm, with the fused residual add) over a sweep of block sizes.
 
-Each product runs REPS times inside one CUDA graph, cycling through COPIES distinct weight matrices:
+Each product runs REPS times inside one CUDA graph, cycling through distinct weight matrices (cold_copies):
 repeating one matrix lets the smaller ones (QKV 50 MB, output 34 MB) sit in the 50 MB L2 and read
 faster than memory, which once made a configuration look best that is slow in a real decode step.
-Prints microseconds and GB/s per shape and variant, and the sum over the 129 products of one token.
+Prints microseconds and GB/s per shape and variant, and the sum over the products of one token.
 
-  python3 build/probe_gemv.py          # on a CUDA machine with Triton (about 15 s on an H200)
+  python3 build/probe_gemv.py [--shape smollm2]   # on a CUDA machine with Triton (about 15 s on an H200)
 """
 import argparse
 import sys
@@ -27,6 +27,10 @@ from pipeline.engine.fused_kernels import _gemv_kernel  # noqa: E402
 SHAPES = {"qkv": (6144, 4096, 32, "norm"), "o": (4096, 4096, 32, "residual"),
           "gate_up": (28672, 4096, 32, "norm"), "down": (4096, 14336, 32, "residual"),
           "lm_head": (128256, 4096, 1, "plain")}
+MODEL_SHAPES = {"llama3-8b": SHAPES,
+                "smollm2": {"qkv": (960, 576, 30, "norm"), "o": (576, 576, 30, "residual"),
+                            "gate_up": (3072, 576, 30, "norm"), "down": (576, 1536, 30, "residual"),
+                            "lm_head": (49152, 576, 1, "plain")}}
 SWEEP = ((8, 1024, 8), (16, 1024, 8), (4, 1024, 4), (1, 1024, 4), (2, 1024, 4), (8, 512, 8))  # rows, columns, warps
 COPIES = 6
 REPS = 4 * COPIES
@@ -72,13 +76,13 @@ def timed(fn, reps: int = REPS) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def main() -> None:
+def main(shape: str) -> None:
     torch.manual_seed(0)
     totals = {"cublas": 0.0, "triton": 0.0, "fused": 0.0}
     t0 = time.time()
     print(f"engine config {(BLOCK_ROWS, BLOCK_K, NUM_WARPS)}; rows,columns,warps: us (GB/s)")
-    for name, (n, k, per_token, variant) in SHAPES.items():
-        copies = max(1, min(COPIES, int(2e9 // (n * k * 2))))
+    for name, (n, k, per_token, variant) in MODEL_SHAPES[shape].items():
+        copies = cold_copies(n * k * 2)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(k, device="cuda", dtype=torch.bfloat16)
@@ -115,9 +119,12 @@ def main() -> None:
         totals["fused"] += per_token * results.get((True, *engine), results[(False, *engine)])
         print(line, flush=True)
         del ws
-    print("per-token sum of the 129 products at the engine's config (ms):",
+    products = sum(per_token for _, _, per_token, _ in MODEL_SHAPES[shape].values())
+    print(f"per-token sum of the {products} products at the engine's config (ms):",
           {k: round(v / 1e3, 3) for k, v in totals.items()}, f"probe {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(MODEL_SHAPES))
+    main(ap.parse_args().shape)
