@@ -9,10 +9,14 @@ DTYPE ?= float32
 # The default engine speculates with the trained EAGLE draft and EAGLE-2 dynamic trees; DRAFT= builds plain.
 DRAFT ?= eagle:drafts/smollm2-eagle
 EAGLE_CONVERT_FLAGS ?= --num-eagle-layers 6
+# For EAGLE-3 drafts over the whole vocabulary, e.g. SmolLM2's: EAGLE3_CONVERT_FLAGS="--draft-vocab 16384
+# --vocab-tokens drafts/distill/smollm2-sharegpt-42220.npz" (a third of the vocabulary, the same acceptance;
+# BENCHMARKS.md §6 (u)). Empty by default: the token file is SmolLM2's.
+EAGLE3_CONVERT_FLAGS ?=
 # Where serve and demo run the portable engine (cpu or cuda); the EAGLE trees follow it. On 2 CPU cores a
 # pass over a large tree costs several plain steps, so 5 nodes (BENCHMARKS.md §6: EAGLE-3 0.94x plain there,
-# against 0.5x with the GPU trees; the demo shows lossless speculation, not a CPU speed-up); on a GPU a
-# 64-node tree costs little more than one token: EAGLE-2's fastest on the H200 is depth 4, top-k 8, 63 nodes
+# against 0.5x with the GPU trees; with EAGLE3_CONVERT_FLAGS' 16,384 tokens about 1.3x, EAGLE-2 1.2x, §6 (u));
+# on a GPU a 64-node tree costs little more than one token: EAGLE-2's fastest on the H200 is depth 4, top-k 8, 63 nodes
 # (§2 (r): 1.65x plain, depth 6, top-k 10: 1.51x; §2 (u): 2621 tok/s, 1.65x the faster plain of (s)-(u)).
 DEVICE ?= cpu
 EAGLE_BUILD_FLAGS_cpu := --dynamic-tree --dynamic-top-k 4 --dynamic-depth 2 --max-draft-len 5
@@ -58,7 +62,7 @@ build-engines: setup
 	  "") ;; \
 	  medusa) conv=(--medusa "$$arg"); suffix=-medusa ;; \
 	  eagle) conv=(--eagle "$$arg" $(EAGLE_CONVERT_FLAGS)); build=($(EAGLE_BUILD_FLAGS)); suffix=-eagle ;; \
-	  eagle3) conv=(--eagle3 "$$arg"); build=($(EAGLE3_BUILD_FLAGS)); suffix=-eagle3 ;; \
+	  eagle3) conv=(--eagle3 "$$arg" $(EAGLE3_CONVERT_FLAGS)); build=($(EAGLE3_BUILD_FLAGS)); suffix=-eagle3 ;; \
 	  draft-model) conv=(--draft-model "$$arg"); suffix=-draft ;; \
 	  ngram) build=(--speculative ngram $${arg:+--ngram-k "$$arg"}); suffix=-ngram ;; \
 	  *) echo "DRAFT=$(DRAFT): unknown; use medusa:PATH, eagle:PATH, eagle3:PATH, draft-model:PATH, ngram or ngram:K" >&2; exit 2 ;; \
