@@ -127,12 +127,12 @@ def mlp(shape: str) -> None:
     from pipeline.engine import fused_kernels
 
     HIDDEN, INTERMEDIATE, LAYERS = MLP_SHAPES[shape]
-    COPIES = cold_copies(3 * INTERMEDIATE * HIDDEN * 2)
+    copies = cold_copies(3 * INTERMEDIATE * HIDDEN * 2)
     engine_tiles = fused_kernels.ROWS_GEMM_GATED_TILE, fused_kernels.ROWS_GEMM_TILE
     torch.manual_seed(0)
     t0 = time.time()
-    up = [torch.randn(2 * INTERMEDIATE, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
-    down = [torch.randn(HIDDEN, INTERMEDIATE, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+    up = [torch.randn(2 * INTERMEDIATE, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    down = [torch.randn(HIDDEN, INTERMEDIATE, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     mb = (up[0].numel() + down[0].numel()) * 2 / 1e6
 
     def engine_mlp(x: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, r: torch.Tensor) -> torch.Tensor:  # the engine's unfused MLP as torch.compile traces it
@@ -145,9 +145,9 @@ def mlp(shape: str) -> None:
         r = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(m, INTERMEDIATE, device="cuda", dtype=torch.bfloat16)
         want = engine_mlp(x, up[0], down[0], r).float()
-        t_base = timed(lambda i: compiled(x, up[i % COPIES], down[i % COPIES], r))
-        t_up = timed(lambda i: F.linear(x, up[i % COPIES]))
-        t_down = timed(lambda i: F.linear(g, down[i % COPIES]))
+        t_base = timed(lambda i: compiled(x, up[i % copies], down[i % copies], r))
+        t_up = timed(lambda i: F.linear(x, up[i % copies]))
+        t_down = timed(lambda i: F.linear(g, down[i % copies]))
         print(f"{m} rows: compiled cuBLAS MLP {t_base:.1f} us a layer ({mb / t_base * 1e3:.0f} GB/s); its GEMMs "
               f"alone gate/up {t_up:.1f}, down {t_down:.1f}", flush=True)
         best = {}
@@ -155,8 +155,8 @@ def mlp(shape: str) -> None:
             times = {}
             for tile in MLP_SWEEP:
                 setattr(fused_kernels, "ROWS_GEMM_GATED_TILE" if gated else "ROWS_GEMM_TILE", tile)
-                run = ((lambda i: fused_kernels.rows_gemm(x, up[i % COPIES], gated=True)) if gated else
-                       (lambda i: fused_kernels.rows_gemm(g, down[i % COPIES], residual=r)))
+                run = ((lambda i: fused_kernels.rows_gemm(x, up[i % copies], gated=True)) if gated else
+                       (lambda i: fused_kernels.rows_gemm(g, down[i % copies], residual=r)))
                 try:
                     run(0)
                 except triton.runtime.errors.OutOfResources:
@@ -168,8 +168,8 @@ def mlp(shape: str) -> None:
                 f"{','.join(map(str, c))}: {times[c]:.1f}" for c in top), flush=True)
 
         def fused_mlp(i: int) -> torch.Tensor:
-            h = fused_kernels.rows_gemm(x, up[i % COPIES], gated=True)
-            return fused_kernels.rows_gemm(h, down[i % COPIES], residual=r)
+            h = fused_kernels.rows_gemm(x, up[i % copies], gated=True)
+            return fused_kernels.rows_gemm(h, down[i % copies], residual=r)
 
         for label, tiles in (("best tiles", (best[True], best[False])), ("the engine's tiles", engine_tiles)):
             fused_kernels.ROWS_GEMM_GATED_TILE, fused_kernels.ROWS_GEMM_TILE = tiles

@@ -293,17 +293,18 @@ class Method:
     build: dict[str, Any] = field(default_factory=dict)  # BuildOptions fields
     convert: dict[str, Any] = field(default_factory=dict)  # DraftInputs numbers
     env: dict[str, str] = field(default_factory=dict)  # set while the engine loads and captures its graphs
+    vocab_tokens: str | None = None  # token file under --drafts ranking an EAGLE-3 draft vocabulary (draft_vocab)
 
     def checkpoint_key(self) -> str:
-        numbers = "-".join(f"{k}{v}".replace("/", "_") for k, v in sorted(self.convert.items()))  # a folder name
-        return f"{self.draft or 'none'}-{numbers}"
+        key = f"{self.draft or 'none'}-" + "-".join(f"{k}{v}" for k, v in sorted(self.convert.items()))
+        return key + (f"-{Path(self.vocab_tokens).stem}" if self.vocab_tokens else "")
 
 
 # EAGLE-1 drafts get one copy per tree depth at conversion (num_eagle_layers), which bounds the depth.
 EAGLE_DEEP = {"num_eagle_layers": 6}
 UNFUSED_DRAFT_TOPK = {fused.DRAFT_TOPK_ENV: "torch"}
 EAGLE3_DEEP = {"dynamic_tree": True, "dynamic_depth": 7, "dynamic_top_k": 10}
-VOCAB_TOKENS = "distill/smollm2-sharegpt-42220.npz"  # under --drafts, as the draft folders: their training tokens
+VOCAB_TOKENS = "distill/smollm2-sharegpt-42220.npz"  # the drafts' training tokens (the target's greedy replies)
 METHODS: dict[str, Method] = {
     "plain": Method(None, None),
     "medusa": Method("medusa", "smollm2-medusa"),
@@ -332,9 +333,9 @@ METHODS: dict[str, Method] = {
     "eagle3-deep": Method("eagle3", "smollm2-eagle3", EAGLE3_DEEP),
     # The same with a draft vocabulary of the 16,384 / 8,192 tokens most frequent in the drafts' training responses
     # (convert --draft-vocab): the LM head each of the 7 depths reads shrinks 3-6x.
-    "eagle3-deep-v16k": Method("eagle3", "smollm2-eagle3", EAGLE3_DEEP,
-                               {"draft_vocab": 16384, "vocab_tokens": VOCAB_TOKENS}),
-    "eagle3-deep-v8k": Method("eagle3", "smollm2-eagle3", EAGLE3_DEEP, {"draft_vocab": 8192, "vocab_tokens": VOCAB_TOKENS}),
+    "eagle3-deep-v16k": Method("eagle3", "smollm2-eagle3", EAGLE3_DEEP, {"draft_vocab": 16384},
+                               vocab_tokens=VOCAB_TOKENS),
+    "eagle3-deep-v8k": Method("eagle3", "smollm2-eagle3", EAGLE3_DEEP, {"draft_vocab": 8192}, vocab_tokens=VOCAB_TOKENS),
     # EAGLE-3 reuses one draft layer at every depth, so only the checkpoint's draft length bounds the tree.
     "eagle3-xl": Method("eagle3", "smollm2-eagle3",
                         {"dynamic_tree": True, "dynamic_depth": 12, "dynamic_top_k": 10, "max_draft_len": 255},
@@ -367,9 +368,10 @@ def build_engines(cfg: BenchConfig, source: Any, names: list[str]) -> dict[str, 
         key = method.checkpoint_key()
         if key not in checkpoints:
             draft = {method.draft: str(cfg.drafts / method.draft_dir)} if method.draft else {}
-            numbers = {k: str(cfg.drafts / v) if k == "vocab_tokens" else v for k, v in method.convert.items()}
+            if method.vocab_tokens:
+                draft["vocab_tokens"] = str(cfg.drafts / method.vocab_tokens)
             checkpoints[key] = convert(source, cfg.work_dir / f"ckpt-{key}-{cfg.dtype}", dtype=cfg.dtype,
-                                       drafts=DraftInputs(**draft, **numbers))
+                                       drafts=DraftInputs(**draft, **method.convert))
         opts = BuildOptions(max_batch_size=1, max_input_len=BENCH_MAX_INPUT_LEN, max_seq_len=BENCH_MAX_SEQ_LEN,
                             **method.build)
         engines[name] = build_engine(checkpoints[key], cfg.work_dir / f"engine-{name}-{cfg.dtype}", "portable", opts)
