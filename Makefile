@@ -17,7 +17,7 @@ EAGLE3_CONVERT_FLAGS ?=
 # pass over a large tree costs several plain steps, so 5 nodes (BENCHMARKS.md §6: EAGLE-3 0.94x plain there,
 # against 0.5x with the GPU trees; with EAGLE3_CONVERT_FLAGS' 16,384 tokens about 1.3x, EAGLE-2 1.2x, §6 (u));
 # on a GPU a 64-node tree costs little more than one token: EAGLE-2's fastest on the H200 is depth 4, top-k 8, 63 nodes
-# (§2 (r): 1.65x plain, depth 6, top-k 10: 1.51x; §2 (u): 2621 tok/s, 1.65x the faster plain of (s)-(u)).
+# (§2 (r): 1.65x plain, depth 6, top-k 10: 1.51x; §2 (u): 2621 tok/s, 1.65x the faster plain of (s)-(u); §2 (v): 2663 tok/s, 1.64x).
 DEVICE ?= cpu
 EAGLE_BUILD_FLAGS_cpu := --dynamic-tree --dynamic-top-k 4 --dynamic-depth 2 --max-draft-len 5
 EAGLE_BUILD_FLAGS_cuda := --dynamic-tree --dynamic-top-k 8 --dynamic-depth 4 --max-draft-len 63

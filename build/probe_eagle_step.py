@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The EAGLE dynamic step of SmolLM2's shape with random bf16 weights, A/B by kernel settings, on CUDA.
+"""The EAGLE dynamic step on random bf16 weights, A/B by kernel settings, on CUDA (EAGLE-2 or EAGLE-3 drafter).
 
 A dynamic tree always keeps max_draft_len nodes and the catch-up always runs max_depth + 1 pairs, so a
 step's kernels, and its time, do not depend on the weights: random ones measure what the trained draft's
@@ -12,6 +12,7 @@ on MT-bench; the real bench measures it). --profile adds, per variant, one profi
 device-busy and launch-gap microseconds a step, and the kernels by time.
 
   python3 build/probe_eagle_step.py base fused_kernels.TREE_MIN_BLOCKS_PER_SPLIT=16 --profile
+  python3 build/probe_eagle_step.py base --shape llama3-8b --draft eagle3 --draft-vocab 32000
   python3 build/probe_eagle_step.py base --device cpu --shape tiny --tokens 16 --rounds 1   # smoke test
 """
 import argparse
@@ -32,7 +33,8 @@ from probe_ab import variant_settings  # noqa: E402
 from pipeline.bench.speed import SEED, SHAPES, _IdsOnly, random_model  # noqa: E402
 from pipeline.engine import fused  # noqa: E402
 from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig  # noqa: E402
-from pipeline.engine.eagle import EagleNet, EagleProposer  # noqa: E402
+from pipeline.engine.eagle import Eagle3Net, EagleNet, EagleProposer  # noqa: E402
+from pipeline.engine.loader import eagle3_capture_layers  # noqa: E402
 from pipeline.engine.request import SamplingParams  # noqa: E402
 from pipeline.engine.runner import Engine, prepare_kernels  # noqa: E402
 
@@ -42,9 +44,22 @@ STEP_GAP_US = 50.0  # a device gap longer than this is the host's (a read-back, 
 ROWS = 30
 
 
-def random_drafter(shape, device: torch.device, dtype: torch.dtype) -> EagleNet:
-    net = random_model(replace(shape, num_layers=1), device, dtype, lambda cfg: EagleNet(cfg, fc_bias=False),
-                       SEED + 1)
+def random_drafter(shape, device: torch.device, dtype: torch.dtype, kind: str,
+                   draft_vocab: int | None) -> EagleNet | Eagle3Net:
+    """EAGLE-2's drafter (the target's whole LM head) or EAGLE-3's (its own, over draft_vocab tokens)."""
+    one_layer = replace(shape, num_layers=1)
+    if kind == "eagle":
+        build = lambda cfg: EagleNet(cfg, fc_bias=False)
+    else:
+        vocab = draft_vocab or shape.vocab_size
+        # Clamped for the tiny smoke-test shape, whose 2 layers TensorRT-LLM's default does not fit.
+        layers = tuple(sorted({min(max(i, 0), shape.num_layers - 1) for i in eagle3_capture_layers(shape.num_layers)}))
+        build = lambda cfg: Eagle3Net(cfg, layers, vocab)
+    net = random_model(one_layer, device, dtype, build, SEED + 1)
+    if kind == "eagle3" and draft_vocab:
+        # Any set of target ids keeps the step's kernels, hence its time: the first draft_vocab of a permutation.
+        keep = torch.randperm(shape.vocab_size, generator=torch.Generator().manual_seed(SEED))[:draft_vocab].sort()[0]
+        net.set_d2t((keep - torch.arange(draft_vocab)).to(device))
     prepare_kernels(net)
     return net
 
@@ -99,6 +114,9 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--nodes", type=int, default=63, help="draft tokens a tree keeps (max_draft_len)")
+    ap.add_argument("--draft", default="eagle", choices=("eagle", "eagle3"),
+                    help="EAGLE-2's drafter (the target's LM head) or EAGLE-3's (own LM head, --draft-vocab)")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="EAGLE-3: tokens of its LM head (default: all)")
     ap.add_argument("--acceptance", type=float, default=TRAINED_ACCEPTANCE)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also write the timings and profiles here")
@@ -108,8 +126,11 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = SHAPES[args.shape]
+    if args.draft_vocab and (args.draft != "eagle3" or not 0 < args.draft_vocab <= shape.vocab_size):
+        ap.error(f"--draft-vocab {args.draft_vocab}: needs --draft eagle3 and at most {shape.vocab_size} tokens")
     target = random_model(shape, device, dtype)
-    drafter = random_drafter(shape, device, dtype)  # attached again under each variant's settings
+    # Attached again under each variant's settings.
+    drafter = random_drafter(shape, device, dtype, args.draft, args.draft_vocab)
     prompt = torch.randint(shape.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     slots = max(args.max_seq_len, args.prompt_tokens + args.tokens + 1)
     spec = SpecConfig(mode="eagle", max_draft_len=args.nodes,
@@ -148,8 +169,10 @@ def main() -> None:
                     profiles["plain"] = profile_steps(engines[name][1], prompt, args.tokens)
 
     a = args.acceptance
-    print(f"\n{args.shape} random weights, {dtype}, EAGLE dynamic depth {args.depth} top-k {args.top_k} {args.nodes} "
-          f"nodes, {args.tokens} tokens after {args.prompt_tokens}, {args.rounds} rounds; at {a} tokens a step:")
+    drafted = f"{args.draft} drafter" + (f" over {args.draft_vocab} tokens" if args.draft_vocab else "")
+    print(f"\n{args.shape} random weights, {dtype}, {drafted}, dynamic depth {args.depth} top-k {args.top_k} "
+          f"{args.nodes} nodes, {args.tokens} tokens after {args.prompt_tokens}, {args.rounds} rounds; "
+          f"at {a} tokens a step:")
     print(f"{'ms/step':>8} {'1-token ms':>10} {'plain ms':>8} {'tok/s':>7} {'x plain':>7}  variant")
     for name, rows in runs.items():
         step, first, plain_step = (statistics.median(r[i] for r in rows) for i in range(3))
