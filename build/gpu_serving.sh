@@ -24,7 +24,8 @@
 set -euo pipefail
 
 PY=${PY:-python3}                     # the image's Python (torch, transformers)
-SITE=${SITE:-/tmp/site}               # wheels from the carried folders
+SITE=${SITE:-/tmp/serving-site}       # wheels from the carried folders; not /tmp/site, where a bench
+                                      # finds gguf: numpy 1.26 there breaks the image's transformers
 TV=${TV:-/tmp/tv}                     # the venv tritonserver and the benchmark run in
 WHL_A=${WHL_A:-.device/whl_a}
 WHL_B=${WHL_B:-.device/whl_b}

@@ -184,11 +184,15 @@ def mlp(shape: str) -> None:
 # (Session u swept 2 and 4 warps and 2-4 stages on the H200: 2 warps never won, 4 stages did; then 5 stages won
 # inside the EAGLE step, build/probe_eagle_step.py.)
 LAYER_SWEEP = tuple(itertools.product((16, 32, 64), (16, 32, 64), (64, 128), (4,), (2, 3, 4, 5)))
+# --wide-k: tiles that take a row's whole K (SmolLM2's 576; down's 1,536 in 2-6) in one or a few loads, as the
+# single-token GEMV does (BLOCK_K 1024), instead of a pipelined loop of 64- or 128-column steps; the engine's
+# tiles beside them for scale.
+WIDE_K_SWEEP = tuple(itertools.product((16, 64), (16, 32), (256, 512, 1024), (4, 8), (1, 2)))
 TILE_NAMES = {"rope": "ROWS_SMALL_ROPE_TILE", "gated": "ROWS_SMALL_GATED_TILE", "plain": "ROWS_SMALL_TILE"}
 LAYER_SHAPES = {"smollm2": (576, 1536, 9, 3, 64)}  # hidden, intermediate, heads, kv heads, head size
 
 
-def layer(shape: str, tokens: int) -> None:
+def layer(shape: str, tokens: int, wide_k: bool = False) -> None:
     """A small layer's four products as fused.several_token_layer runs them, over a sweep of fused's
     ROWS_SMALL_*TILE: the QKV product with its norm, rotary and cache write; the output product and its residual; the
     gated gate/up with its norm; down and its residual. cuBLAS's bare product of each for scale."""
@@ -219,11 +223,13 @@ def layer(shape: str, tokens: int) -> None:
         "gated": (lambda w: fused_kernels.rows_gemm(x, w, gated=True, norm=g, eps=1e-5), "gated", x),
         "down": (lambda w: fused_kernels.rows_gemm(h, w, residual=r), "plain", h)}
     best_sum, per_tile = 0.0, {}
+    engine_tiles = {getattr(fused_kernels, name) for name in TILE_NAMES.values()}
+    sweep = (*sorted(engine_tiles), *WIDE_K_SWEEP) if wide_k else LAYER_SWEEP
     for name, (run, kind, inp) in runs.items():
         n_copies, reps = copies[name], max(REPS, copies[name])
         t_cublas = timed(lambda i: F.linear(inp, ws[name][i % n_copies]), reps)
         times = {}
-        for tile in LAYER_SWEEP:
+        for tile in sweep:
             setattr(fused_kernels, TILE_NAMES[kind], tile)
             try:
                 run(ws[name][0])
@@ -250,7 +256,9 @@ if __name__ == "__main__":
     ap.add_argument("--mlp", action="store_true", help="a tree step's MLP: cuBLAS and inductor against rows_gemm")
     ap.add_argument("--layer", type=int, metavar="TOKENS", help="a small layer's products (--shape smollm2) over a "
                     "sweep of fused.ROWS_SMALL_*TILE, for TOKENS rows")
+    ap.add_argument("--wide-k", action="store_true", help="with --layer: sweep tiles of 256-1,024 columns "
+                    "(WIDE_K_SWEEP) beside the engine's")
     ap.add_argument("--shape", default="llama3-8b", choices=sorted({*MLP_SHAPES, *LAYER_SHAPES}),
                     help="the MLP's or layer's shape")
     args = ap.parse_args()
-    check() if args.check else layer(args.shape, args.layer) if args.layer else mlp(args.shape) if args.mlp else main()
+    check() if args.check else layer(args.shape, args.layer, args.wide_k) if args.layer else mlp(args.shape) if args.mlp else main()

@@ -303,6 +303,23 @@ CHECK = textwrap.dedent("""
             proposer.draft = record
             engine.generate(list(range(1, 13)), SamplingParams(max_tokens=10, end_id=-1))
         assert len(drafted["torch"]) > 2 and all(map(torch.equal, drafted["torch"], drafted["fused"]))
+
+        # Medusa's dynamic tree through the same kernels (its heads' shared LM head, log-softmax and top-k in
+        # one; the frontier's and the selection's in row_topk): torch's trees, node for node.
+        from pipeline.engine.medusa import MedusaProposer, medusa_heads
+        heads = medusa_heads(3, 1, cfg.hidden_size, cfg.vocab_size, "silu").float()
+        for p in heads.parameters():
+            p.normal_(0, 0.15)
+        medusa = MedusaProposer(heads, None, target.lm_head, DynamicTreeConfig(top_k=5, depth=3, max_non_leaves_per_layer=3), 9)
+        assert medusa.draft_topk is None  # CPU weights: torch's ops unless asked
+        for trial in range(3):
+            medusa.hidden.copy_(torch.randn_like(medusa.hidden) * 3)
+            trees = {}
+            for name, kernels in (("torch", (None, None)), ("fused", (lm_head_topk, row_topk))):
+                medusa.draft_topk, medusa.row_topk = kernels
+                trees[name] = medusa.draft()
+            for field in ("tokens", "parents", "depths", "mask"):
+                assert torch.equal(getattr(trees["torch"], field), getattr(trees["fused"], field)), (trial, field)
     print("kernels ok")
 """)
 
@@ -382,3 +399,18 @@ def test_a_bad_kernel_level_names_the_variable_and_the_choices(monkeypatch):
     monkeypatch.setenv(fused.KERNELS_ENV, "gemm")
     with pytest.raises(UserError, match="SPECPIPE_KERNELS=gemm: use one of fused, gemv, off"):
         fused.level()
+
+
+@pytest.mark.skipif(NO_TRITON, reason="needs triton")
+def test_drafter_kernels_take_half_weights_on_the_devices_named_only(monkeypatch):
+    from pipeline.engine import fused_kernels
+
+    w = torch.zeros(64, 16, dtype=torch.bfloat16)
+    assert fused.draft_kernels(w) == (None, None)  # CPU weights, CUDA asked: torch's ops
+    assert fused.draft_kernels(w, "fused", ("cpu",)) == (fused_kernels.lm_head_topk, fused_kernels.row_topk)
+    assert fused.draft_kernels(w.float(), "fused", ("cpu",)) == (None, None)
+    assert fused.draft_kernels(w, "off", ("cpu",)) == (None, None)
+    monkeypatch.setenv(fused.DRAFT_TOPK_ENV, "torch")
+    assert fused.draft_kernels(w, "fused", ("cpu",)) == (None, None)
+    x = torch.tensor([3.0, 1.0, 2.0])
+    assert [t.tolist() for t in fused.small_topk(x, 2, None)] == [[3.0, 2.0], [0, 2]]

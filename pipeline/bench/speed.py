@@ -304,14 +304,16 @@ class Method:
 EAGLE_DEEP = {"num_eagle_layers": 6}
 UNFUSED_DRAFT_TOPK = {fused.DRAFT_TOPK_ENV: "torch"}
 EAGLE3_DEEP = {"dynamic_tree": True, "dynamic_depth": 7, "dynamic_top_k": 10}
+MEDUSA_DYNAMIC = {"dynamic_tree": True, "dynamic_top_k": 32, "max_non_leaves_per_layer": 32}
 VOCAB_TOKENS = "distill/smollm2-sharegpt-42220.npz"  # the drafts' training tokens (the target's greedy replies)
 METHODS: dict[str, Method] = {
     "plain": Method(None, None),
     "medusa": Method("medusa", "smollm2-medusa"),
     # Portable only: EAGLE-2's selection over the heads' log-probabilities. Wide beats deep for these heads
     # (float32, CPU, MT-bench 1-10, 63 nodes): top-k 8 2.120, 10 2.158, 16 2.210, 32 2.245; static 2.120.
-    "medusa-dynamic": Method("medusa", "smollm2-medusa",
-                             {"dynamic_tree": True, "dynamic_top_k": 32, "max_non_leaves_per_layer": 32}),
+    "medusa-dynamic": Method("medusa", "smollm2-medusa", MEDUSA_DYNAMIC),
+    # The same with its top-k's through torch's ops, beside the default's EAGLE kernels (fused.draft_kernels).
+    "medusa-dynamic-unfused": Method("medusa", "smollm2-medusa", MEDUSA_DYNAMIC, env=UNFUSED_DRAFT_TOPK),
     # H200, 80 turns (session r): 2.217, 1.08x plain in bf16. The widest tree a graph replays: with top-k 64
     # 2.538 in bf16 (0.90x plain) but 2.498 in float32; top-k 128 2.511 in float32 (2.539 bf16), 255 no more.
     "medusa-dynamic-xl": Method("medusa", "smollm2-medusa", {"dynamic_tree": True, "dynamic_top_k": 128,

@@ -28,7 +28,8 @@ call it: it reads the accepted text and the step's own region of slots through t
 instead of SDPA over every cache slot with a mask (42 us a layer for SmolLM2's 64-node trees, most
 of an EAGLE step). It serves every CUDA dtype. Prefills stay on SDPA; CPU models never change.
 `SPECPIPE_KERNELS` picks the level (fused, gemv, off; off also keeps SDPA for trees).
-An EAGLE drafter's LM head and top-k run as one kernel (see DRAFT_TOPK_ENV; SPECPIPE_DRAFT_TOPK=torch: not). With
+An EAGLE drafter's LM head and top-k run as one kernel, and the small top-k's of EAGLE's and Medusa's dynamic trees
+as another (draft_kernels; see DRAFT_TOPK_ENV; SPECPIPE_DRAFT_TOPK=torch: not). With
 TRITON_INTERPRET=1 the kernels run on CPU tensors: the tests do that.
 """
 
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -149,6 +150,10 @@ DRAFT_TOPK_ENV = "SPECPIPE_DRAFT_TOPK"
 DRAFT_TOPK_TILE = 256
 DRAFT_TOPK_WARPS = 4
 DRAFT_TOPK_MAX_ROWS = 16
+# Both kernels unroll k rounds, and the merge holds a row's tiles * k candidates in one program: EAGLE's k of 8
+# and 10 beat torch's ops (sessions r, v), Medusa's dynamic tree's 32 did not (H200, session w: a step 1.32
+# against 1.28 ms device time; with its vocabulary top-k on torch and its other top-k's in row_topk, 1.23).
+DRAFT_TOPK_MAX_K = 16
 DRAFT_TOPK_BLOCK_H = 64
 # With the fused top-k, a dynamic tree's other top-k's (the frontier at each depth, the tree's selection and
 # its ordering by depth) go through row_topk: one bitonic sort in registers a row of at most ROW_TOPK_MAX
@@ -180,16 +185,9 @@ def attach(model: nn.Module, kernels: str | None = None, device_types: tuple[str
     run fused, how many attention layers read through slot_attention and how many drafters use the
     fused top-k. Calling it again with another level re-routes (the benchmark compares levels on one model)."""
     kernels = kernels or level()
-    draft_topk = draft_topk_enabled() if draft_topk is None else draft_topk
-    drafters = [m for m in model.modules() if hasattr(m, "draft_topk") and m.lm_head.weight.device.type in device_types
-                and m.lm_head.weight.dtype in HALF_DTYPES]
-    topk = row_topk = None
-    if kernels != "off" and draft_topk and drafters:
-        from pipeline.engine.fused_kernels import lm_head_topk as topk
-        from pipeline.engine.fused_kernels import row_topk
+    drafters = [m for m in model.modules() if hasattr(m, "draft_topk")]
     for m in drafters:
-        m.draft_topk = topk
-        m.row_topk = row_topk
+        m.draft_topk, m.row_topk = draft_kernels(m.lm_head.weight, kernels, device_types, draft_topk)
     attentions = [m for m in model.modules() if isinstance(m, Attention) and m.qkv.weight.device.type in device_types]
     slot_attention = None
     if kernels != "off" and attentions:
@@ -212,7 +210,29 @@ def attach(model: nn.Module, kernels: str | None = None, device_types: tuple[str
         m.fused = fused_layer if m in fused else None
     return {"gemv_layers": len(linears) if gemv else 0, "fused_layers": len(fused),
             "attention_layers": sum(m.slot_attention is not None for m in attentions),
-            "draft_topk": len(drafters) if topk else 0}
+            "draft_topk": sum(m.draft_topk is not None for m in drafters)}
+
+
+def draft_kernels(lm_head: torch.Tensor, kernels: str | None = None, device_types: tuple[str, ...] = ("cuda",),
+                  draft_topk: bool | None = None) -> tuple[Callable | None, Callable | None]:
+    """(lm_head_topk, row_topk) for a drafter (EAGLE's net, Medusa's heads) whose LM head is `lm_head`, where
+    they run: at a kernel level other than off (default: the environment's), with SPECPIPE_DRAFT_TOPK's
+    fused (or draft_topk), on half-precision weights of device_types; else (None, None), torch's ops."""
+    kernels = kernels or level()
+    draft_topk = draft_topk_enabled() if draft_topk is None else draft_topk
+    if (kernels == "off" or not draft_topk or lm_head.device.type not in device_types
+            or lm_head.dtype not in HALF_DTYPES):
+        return None, None
+    from pipeline.engine.fused_kernels import lm_head_topk, row_topk
+    return lm_head_topk, row_topk
+
+
+def small_topk(x: torch.Tensor, k: int, row_topk: Callable | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk's (values, indices) over x's last dimension, through the row_topk kernel where a drafter has
+    it and the rows fit it (a tree's candidates: a few hundred to a few thousand)."""
+    if row_topk is None or x.shape[-1] > ROW_TOPK_MAX:
+        return x.topk(k)
+    return row_topk(x, k)
 
 
 def fusable(layer: DecoderLayer) -> bool:

@@ -15,6 +15,7 @@ from torch import nn
 
 from pipeline.engine.acceptance import Acceptance
 from pipeline.engine.config import DynamicTreeConfig
+from pipeline.engine.fused import DRAFT_TOPK_MAX_K, DRAFT_TOPK_MAX_ROWS, draft_kernels, small_topk
 from pipeline.engine.model import SUPPORTED_ACTIVATIONS, Linear
 from pipeline.engine.speculative import StepInput, TargetPass
 from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree
@@ -82,6 +83,9 @@ class MedusaProposer:
         weight = (lm_head or self.heads[0].lm_head).weight
         self.vocab_size = weight.shape[0]
         self.hidden = weight.new_zeros(1, weight.shape[1])  # [1, H] hidden state of the last accepted token
+        # A dynamic tree's top-k's through EAGLE's kernels where they run (CUDA, half precision): the heads'
+        # shared LM head, log-softmax and top-k in one, the frontier's and the selection's in row_topk.
+        self.draft_topk, self.row_topk = draft_kernels(weight)
         self.root = torch.zeros(1, dtype=torch.long, device=weight.device)
 
     def start(self, prompt: torch.Tensor, target: TargetPass, first: torch.Tensor) -> None:
@@ -90,8 +94,22 @@ class MedusaProposer:
     def logits(self) -> torch.Tensor:
         """[depth, vocab]: head d's logits for the token d+1 places after the root."""
         if self.lm_head is not None:
-            return self.lm_head(torch.cat([head.features(self.hidden) for head in self.heads]))
+            return self.lm_head(self.features())
         return torch.cat([head(self.hidden) for head in self.heads])
+
+    def features(self) -> torch.Tensor:
+        """[depth, H]: the shared LM head's input for each head."""
+        return torch.cat([head.features(self.hidden) for head in self.heads])
+
+    def top_logp(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[depth, top_k] (log-probabilities, tokens) of each head's likeliest tokens, best first."""
+        if (self.draft_topk is None or self.lm_head is None or len(self.heads) > DRAFT_TOPK_MAX_ROWS
+                or self.top_k > DRAFT_TOPK_MAX_K):
+            return F.log_softmax(self.logits().float(), dim=-1).topk(self.top_k, dim=-1)
+        return self.draft_topk(self.features(), self.lm_head.weight, self.top_k)
+
+    def _topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return small_topk(x, k, self.row_topk)
 
     def guesses(self) -> torch.Tensor:
         """[depth, top_k] token ids: head d's best guesses for the token d+1 places after the root."""
@@ -115,12 +133,12 @@ class MedusaProposer:
         """Candidates depth by depth, each frontier node taking head d's top-k as its children (the heads
         see only the root's hidden state, so every parent gets the same ones); the `width` best of a depth
         are the next frontier, as in EAGLE-2, and select_tree keeps the max_draft_len best of all."""
-        logp, token = F.log_softmax(self.logits().float(), dim=-1).topk(self.top_k, dim=-1)  # [depth, k]
+        logp, token = self.top_logp()  # [depth, k]
         k, width, device = self.top_k, self.width, logp.device
         cand_tokens, cand_scores = [token[0]], [logp[0]]
         cand_parents = [torch.full((k,), -1, device=device)]
         cand_depths = [torch.ones(k, dtype=torch.long, device=device)]
-        frontier = logp[0].topk(width).indices
+        frontier = self._topk(logp[0], width)[1]
         total = k
         for depth in range(1, len(self.heads)):
             child_score = (torch.cat(cand_scores)[frontier][:, None] + logp[depth]).flatten()  # [width * k]
@@ -128,10 +146,10 @@ class MedusaProposer:
             cand_scores.append(child_score)
             cand_parents.append(frontier.repeat_interleave(k))
             cand_depths.append(torch.full((width * k,), depth + 1, device=device))
-            frontier = total + child_score.topk(width).indices
+            frontier = total + self._topk(child_score, width)[1]
             total += width * k
         return select_tree(self.root, torch.cat(cand_tokens), torch.cat(cand_parents), torch.cat(cand_depths),
-                           torch.cat(cand_scores), self.max_draft_len, len(self.heads))
+                           torch.cat(cand_scores), self.max_draft_len, len(self.heads), self._topk)
 
     def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int | torch.Tensor, target: TargetPass,
                length: int | torch.Tensor) -> None:

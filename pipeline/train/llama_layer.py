@@ -76,7 +76,10 @@ def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
         lag = step - i
         diag = (q * shift_right(keys[i], lag)).sum(-1, keepdim=True) * scale
         scores.append(diag.masked_fill((pos < lag)[:, None], float("-inf")))
-    probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+    # At least float32 (half-precision training), float64 kept: a float32 softmax rounds by row length on some
+    # CPUs, which broke the float64 check that the unrolled steps equal a sequential chain (1.9e-8 apart).
+    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1, dtype=torch.promote_types(q.dtype, torch.float32))
+    probs = probs.to(q.dtype)
     out = probs[..., :length] @ values[0]
     for i in range(1, step + 1):
         out = out + probs[..., length + i - 1 : length + i] * shift_right(values[i], step - i)
