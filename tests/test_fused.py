@@ -414,3 +414,4 @@ def test_drafter_kernels_take_half_weights_on_the_devices_named_only(monkeypatch
     assert fused.draft_kernels(w, "fused", ("cpu",)) == (None, None)
     x = torch.tensor([3.0, 1.0, 2.0])
     assert [t.tolist() for t in fused.small_topk(x, 2, None)] == [[3.0, 2.0], [0, 2]]
+    assert fused.draft_topk_fits(16, 16) and not fused.draft_topk_fits(17, 8) and not fused.draft_topk_fits(8, 32)

@@ -19,7 +19,7 @@ from torch import nn
 
 from pipeline.engine.acceptance import Acceptance
 from pipeline.engine.config import DynamicTreeConfig
-from pipeline.engine.fused import DRAFT_TOPK_MAX_K, DRAFT_TOPK_MAX_ROWS, small_topk
+from pipeline.engine.fused import draft_topk_fits, small_topk
 from pipeline.engine.graphs import CapturedStep, Compiled, prefill_bucket
 from pipeline.engine.model import (Attention, DecoderLayer, ForwardContext, KVCache, Linear, MLP, ModelConfig,
                                    RMSNorm, Rotary, full_slot_context, make_context)
@@ -56,7 +56,7 @@ class EagleNet(nn.Module):
 
     def top_logp(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probabilities, tokens) of each row's k likeliest next tokens, best first."""
-        if self.draft_topk is None or hidden.shape[0] > DRAFT_TOPK_MAX_ROWS or k > DRAFT_TOPK_MAX_K:
+        if self.draft_topk is None or not draft_topk_fits(hidden.shape[0], k):
             return F.log_softmax(self.logits(hidden), dim=-1).topk(k, dim=-1)
         return self.draft_topk(hidden, self.lm_head.weight, k)
 
@@ -120,7 +120,7 @@ class Eagle3Net(nn.Module):
 
     def top_logp(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """As EagleNet's, over the draft vocabulary, its ids mapped to the target's."""
-        if self.draft_topk is None or hidden.shape[0] > DRAFT_TOPK_MAX_ROWS or k > DRAFT_TOPK_MAX_K:
+        if self.draft_topk is None or not draft_topk_fits(hidden.shape[0], k):
             return F.log_softmax(self.logits(hidden), dim=-1).topk(k, dim=-1)
         logp, ids = self.draft_topk(self.norm(hidden), self.lm_head.weight, k)
         return logp, ids + self.d2t[ids]

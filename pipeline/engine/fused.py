@@ -227,6 +227,11 @@ def draft_kernels(lm_head: torch.Tensor, kernels: str | None = None, device_type
     return lm_head_topk, row_topk
 
 
+def draft_topk_fits(rows: int, k: int) -> bool:
+    """Whether lm_head_topk takes `rows` rows (one tl.dot tile) and this k (see DRAFT_TOPK_MAX_K)."""
+    return rows <= DRAFT_TOPK_MAX_ROWS and k <= DRAFT_TOPK_MAX_K
+
+
 def small_topk(x: torch.Tensor, k: int, row_topk: Callable | None) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk's (values, indices) over x's last dimension, through the row_topk kernel where a drafter has
     it and the rows fit it (a tree's candidates: a few hundred to a few thousand)."""

@@ -15,7 +15,7 @@ from torch import nn
 
 from pipeline.engine.acceptance import Acceptance
 from pipeline.engine.config import DynamicTreeConfig
-from pipeline.engine.fused import DRAFT_TOPK_MAX_K, DRAFT_TOPK_MAX_ROWS, draft_kernels, small_topk
+from pipeline.engine.fused import draft_kernels, draft_topk_fits, small_topk
 from pipeline.engine.model import SUPPORTED_ACTIVATIONS, Linear
 from pipeline.engine.speculative import StepInput, TargetPass
 from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree
@@ -103,8 +103,7 @@ class MedusaProposer:
 
     def top_logp(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[depth, top_k] (log-probabilities, tokens) of each head's likeliest tokens, best first."""
-        if (self.draft_topk is None or self.lm_head is None or len(self.heads) > DRAFT_TOPK_MAX_ROWS
-                or self.top_k > DRAFT_TOPK_MAX_K):
+        if self.draft_topk is None or self.lm_head is None or not draft_topk_fits(len(self.heads), self.top_k):
             return F.log_softmax(self.logits().float(), dim=-1).topk(self.top_k, dim=-1)
         return self.draft_topk(self.features(), self.lm_head.weight, self.top_k)
 
