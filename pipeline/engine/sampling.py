@@ -16,6 +16,11 @@ class RequestError(ValueError):
     """A request the engine refuses (bad parameters, too long); the message names the field and limit."""
 
 
+class EngineBusy(RuntimeError):
+    """The engine's request queue is full: the request was not started; the client may retry later
+    (Triton UNAVAILABLE, HTTP 503 on the OpenAI front)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
