@@ -13,7 +13,7 @@ from pipeline.errors import USER_ERROR_EXIT_CODE, UserError
 # names let the others run where one module's dependency is missing (a GPU image without tritonclient).
 COMMAND_MODULES = {
     "pipeline.convert.cli": ("convert",),
-    "pipeline.engine.build": ("build",),
+    "pipeline.builder.cli": ("build",),
     "pipeline.engine.cli": ("generate", "eval-acceptance"),
     "pipeline.triton.cli": ("triton-repo", "serve"),
     "pipeline.client.cli": ("client", "verify"),

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from pipeline.builder.build import BuildOptions, build_engine
 from pipeline.convert.convert import DraftInputs, convert
 from pipeline.convert.source import TargetSource, load_hf_model, load_target
 from pipeline.convert.tiny import make_tiny_model
-from pipeline.engine.build import BuildOptions, build_engine
 
 
 def convert_and_build(target: str | Path | TargetSource, out_root: str | Path, *, tp: int = 1, pp: int = 1,

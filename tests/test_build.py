@@ -12,11 +12,13 @@ import pytest
 import torch
 from conftest import convert_and_build
 
+from pipeline.builder.build import BuildOptions, build_engine
 from pipeline.cli import main
 from pipeline.convert.checkpoint import read_checkpoint
 from pipeline.convert.convert import convert
-from pipeline.engine.build import BuildOptions, build_engine
+from pipeline.convert.tiny import make_random_medusa
 from pipeline.engine.config import TRTLLM_SPEC_MODE_FLAGS, EngineDir
+from pipeline.engine.tree import MC_SIM_7B_63, validate_choices
 from pipeline.errors import USER_ERROR_EXIT_CODE, UserError
 
 
@@ -93,6 +95,27 @@ def test_build_flag_errors(flags: list[str], message: str, tiny_ckpt: Path, tmp_
     out = tmp_path / "engine"
     rc = main(["build", "--checkpoint", str(tiny_ckpt), "--output", str(out), *flags])
     assert rc == 2 and message in capsys.readouterr().err and not out.exists()
+
+
+def test_three_head_medusa_builds_with_the_default_tree_trimmed(tiny_llama_dir: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The default tree is 4 deep: a 3-head checkpoint gets its paths up to depth 3, and the build says so."""
+    heads_count = 3
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    heads = make_random_medusa(tmp_path / "heads", cfg["hidden_size"], cfg["vocab_size"], heads=heads_count)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "engine"
+    assert main(["convert", "--target", str(tiny_llama_dir), "--medusa", str(heads), "--output", str(ckpt)]) == 0
+    capsys.readouterr()
+    assert main(["build", "--checkpoint", str(ckpt), "--output", str(out)]) == 0
+    expected = [p for p in MC_SIM_7B_63 if len(p) <= heads_count]
+    spec = EngineDir.load(out).spec
+    assert spec.mode == "medusa" and spec.num_medusa_heads == heads_count and spec.choices == expected
+    validate_choices(spec.choices, max_depth=heads_count)
+    assert (f"tree: mc_sim_7b_63 trimmed to the checkpoint's {heads_count} heads, depth {heads_count}, "
+            f"{len(expected)} nodes") in capsys.readouterr().out.splitlines()
+    # A tree asked for by name is taken as given: too deep for the heads is still an error.
+    with pytest.raises(UserError, match=f"depth 4 exceeds {heads_count}"):
+        build_engine(ckpt, tmp_path / "explicit", opts=BuildOptions(choices="mc_sim_7b_63"))
 
 
 def test_convert_and_build_helper(tiny_qwen2_dir: Path, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from pipeline.builder.build import BuildOptions, build_engine
 from pipeline.cli import main
 from pipeline.convert.checkpoint import read_checkpoint
 from pipeline.convert.convert import DraftInputs, convert
@@ -19,7 +20,6 @@ from pipeline.convert.llama import fuse_qkv, llama_tensors
 from pipeline.convert.medusa import load_medusa_tensors, medusa_file
 from pipeline.convert.source import load_target
 from pipeline.convert.tiny import make_random_eagle, make_random_eagle3, make_random_medusa, make_tiny_model
-from pipeline.engine.build import BuildOptions, build_engine
 from pipeline.engine.config import TRTLLM_SPEC_MODE_FLAGS, EngineDir
 from pipeline.engine.tree import MC_SIM_7B_63
 from pipeline.errors import UserError

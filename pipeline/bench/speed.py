@@ -360,8 +360,8 @@ BENCH_MAX_INPUT_LEN = 768
 
 
 def build_engines(cfg: BenchConfig, source: Any, names: list[str]) -> dict[str, Path]:
+    from pipeline.builder.build import BuildOptions, build_engine
     from pipeline.convert.convert import DraftInputs, convert
-    from pipeline.engine.build import BuildOptions, build_engine
 
     checkpoints: dict[str, Path] = {}
     engines = {}

@@ -1,4 +1,4 @@
-"""`specpipe build`: a TensorRT-LLM checkpoint → an engine directory (see pipeline/engine/config.py).
+"""A TensorRT-LLM checkpoint → an engine directory (see pipeline/engine/config.py).
 
 portable: config.json shaped like trtllm-build's ({version, pretrained_config, build_config}), the rank
           files hard-linked, tokenizer/, draft/ and specpipe.json; the portable PyTorch engine loads it.
@@ -8,7 +8,6 @@ trtllm:   runs `trtllm-build` (the exact command lines are printed with --dry-ru
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -81,9 +80,26 @@ def non_leaves_per_depth(choices: Choices) -> dict[int, int]:
     return counts
 
 
+def trim_choices(choices: Choices, depth: int) -> Choices:
+    """The paths at most `depth` deep, first occurrence kept, in the given order.
+
+    Dropping whole deeper paths keeps the tree prefix-closed: a kept path's prefixes are shorter still.
+    """
+    seen: set[tuple[int, ...]] = set()
+    kept: Choices = []
+    for path in choices:
+        if len(path) <= depth and tuple(path) not in seen:
+            seen.add(tuple(path))
+            kept.append(list(path))
+    return kept
+
+
 def _tree_choices(opts: BuildOptions, depth: int | None, draft_len: int, max_non_leaves: int | None) -> Choices:
     choices = parse_choices(opts.choices or DEFAULT_CHOICES)
     what = "--choices" if opts.choices else f"default tree {DEFAULT_CHOICES} (pass --choices)"
+    if opts.choices is None and depth is not None:
+        # The default tree is 4 deep; a checkpoint with fewer heads (layers) gets its paths that fit.
+        choices = trim_choices(choices, depth)
     validate_choices(choices, max_depth=depth, max_draft_len=draft_len, what=what)
     if max_non_leaves is not None:
         for d, n in sorted(non_leaves_per_depth(choices).items()):
@@ -150,6 +166,27 @@ def spec_from_checkpoint(config: dict[str, Any], ckpt_dir: Path, opts: BuildOpti
             raise UserError(f"--ngram-k {ngram.k} / --ngram-min-n {ngram.min_n} / --ngram-max-n {ngram.max_n}: need k >= 1 and 1 <= min_n <= max_n")
         return SpecConfig("ngram", ngram.k, chain(ngram.k), ngram=ngram, **acceptance)
     return SpecConfig("none", **acceptance)
+
+
+def tree_summary(spec: SpecConfig, opts: BuildOptions) -> str | None:
+    """One line naming the draft tree an engine verifies, its depth and node count; None without one."""
+    if spec.dynamic_tree is not None:
+        tree = spec.dynamic_tree
+        return (f"tree: dynamic (EAGLE-2), top-k {tree.top_k}, depth {tree.depth}, "
+                f"up to {spec.max_draft_len} nodes")
+    if not spec.choices:
+        return None
+    depth, nodes = max(len(p) for p in spec.choices), len(spec.choices)
+    if spec.mode in ("draft_model", "ngram"):
+        name = "chain"
+    elif opts.choices is None:
+        default_depth = max(len(p) for p in parse_choices(DEFAULT_CHOICES))
+        unit = "heads" if spec.mode == "medusa" else "layers"
+        name = DEFAULT_CHOICES + (f" trimmed to the checkpoint's {depth} {unit}" if depth < default_depth else "")
+    else:
+        literal = opts.choices.lstrip().startswith(("[", "{"))
+        name = "--choices list" if literal else opts.choices  # a preset, chain:N or a file
+    return f"tree: {name}, depth {depth}, {nodes} nodes"
 
 
 def plugin_config(dtype: str) -> dict[str, Any]:
@@ -288,38 +325,3 @@ def build_engine(checkpoint: str | Path, output: str | Path, backend: str = "por
     with atomic_output_dir(out) as tmp:
         write_portable(ckpt_dir, tmp, opts, spec, pretrained)
     return out
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("build", help="build an engine directory from a TensorRT-LLM checkpoint", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--output", required=True)
-    p.add_argument("--backend", default="portable", help="portable | trtllm (default portable)")
-    p.add_argument("--max-batch-size", type=int, default=BuildOptions.max_batch_size)
-    p.add_argument("--max-input-len", type=int, default=BuildOptions.max_input_len)
-    p.add_argument("--max-seq-len", type=int, default=BuildOptions.max_seq_len)
-    p.add_argument("--max-draft-len", type=int, help="draft tokens per step (default: checkpoint's, or 4 for a draft model)")
-    p.add_argument("--choices", help="tree: preset (mc_sim_7b_63, top16, ...), chain:N, a literal list or a file")
-    p.add_argument("--dynamic-tree", action="store_true",
-                   help="EAGLE-2 dynamic trees instead of static choices (Medusa: portable backend only)")
-    p.add_argument("--dynamic-top-k", type=int)
-    p.add_argument("--dynamic-depth", type=int)
-    p.add_argument("--max-non-leaves-per-layer", type=int)
-    p.add_argument("--speculative", help="'ngram' for prompt-lookup drafting on a plain checkpoint")
-    p.add_argument("--ngram-k", type=int, default=BuildOptions.ngram_k)
-    p.add_argument("--ngram-min-n", type=int, default=BuildOptions.ngram_min_n)
-    p.add_argument("--ngram-max-n", type=int, default=BuildOptions.ngram_max_n)
-    p.add_argument("--acceptance", default="lossless", help="lossless | typical (Medusa typical acceptance, not lossless)")
-    p.add_argument("--dry-run", action="store_true", help="print the commands (trtllm) or the build config (portable)")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    opts = BuildOptions(args.max_batch_size, args.max_input_len, args.max_seq_len, args.max_draft_len, args.choices,
-                        args.dynamic_tree, args.dynamic_top_k, args.dynamic_depth, args.max_non_leaves_per_layer,
-                        args.speculative, args.ngram_k, args.ngram_min_n, args.ngram_max_n, args.acceptance)
-    out = build_engine(args.checkpoint, args.output, args.backend, opts, args.dry_run)
-    if not args.dry_run:
-        print(f"engine written to {out}")
-    return 0
