@@ -33,7 +33,7 @@ from pipeline.errors import USER_ERROR_EXIT_CODE, UserError
 
 IGNORE_END = -1  # end_id that no token matches: every request runs to max_tokens
 WARMUP_TOKENS = 32
-# Issue 8's bar: through Triton at most this far below in-process tokens/s.
+# The serving goal: through Triton at most this far below in-process tokens/s.
 MAX_SLOWDOWN = 0.10
 MODES = ("grpc-stream", "grpc")
 

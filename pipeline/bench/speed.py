@@ -309,13 +309,13 @@ VOCAB_TOKENS = "distill/smollm2-sharegpt-42220.npz"  # the drafts' training toke
 METHODS: dict[str, Method] = {
     "plain": Method(None, None),
     "medusa": Method("medusa", "smollm2-medusa"),
-    # Portable only: EAGLE-2's selection over the heads' log-probabilities. Wide beats deep for these heads
-    # (float32, CPU, MT-bench 1-10, 63 nodes): top-k 8 2.120, 10 2.158, 16 2.210, 32 2.245; static 2.120.
+    # Portable only: EAGLE-2's selection over the heads' log-probabilities; for these heads a wide tree
+    # (a large top-k a head) accepts more than a deep one.
     "medusa-dynamic": Method("medusa", "smollm2-medusa", MEDUSA_DYNAMIC),
     # The same with its top-k's through torch's ops, beside the default's EAGLE kernels (fused.draft_kernels).
     "medusa-dynamic-unfused": Method("medusa", "smollm2-medusa", MEDUSA_DYNAMIC, env=UNFUSED_DRAFT_TOPK),
-    # H200, 80 turns (session r): 2.217, 1.08x plain in bf16. The widest tree a graph replays: with top-k 64
-    # 2.538 in bf16 (0.90x plain) but 2.498 in float32; top-k 128 2.511 in float32 (2.539 bf16), 255 no more.
+    # The widest tree a graph replays, top-k 128 a head: the Medusa tree that reaches 2.5 tokens a step
+    # (BENCHMARKS.md, drafts' acceptance), slower than plain at 135M.
     "medusa-dynamic-xl": Method("medusa", "smollm2-medusa", {"dynamic_tree": True, "dynamic_top_k": 128,
                                                              "max_non_leaves_per_layer": 128, "max_draft_len": 255}),
     "eagle-static": Method("eagle", "smollm2-eagle"),
@@ -323,11 +323,9 @@ METHODS: dict[str, Method] = {
     "eagle-dynamic-deep": Method("eagle", "smollm2-eagle",
                                  {"dynamic_tree": True, "dynamic_depth": 6, "dynamic_top_k": 10}, EAGLE_DEEP),
     # The drafter's LM head, log-softmax and torch.topk as three ops (fused.DRAFT_TOPK_ENV), beside the
-    # default's one kernel: 1975 against 2104 tokens/s on the H200 (session r, BENCHMARKS.md §2).
+    # default's one kernel.
     "eagle-dynamic-unfused": Method("eagle", "smollm2-eagle", {"dynamic_tree": True}, env=UNFUSED_DRAFT_TOPK),
-    # The widest tree a graph replays (MAX_GRAPH_TOKENS): acceptance 3.54 against 3.08 for the deep tree
-    # on MT-bench questions 1-12, 3.44 over 1-36 (CPU, 2026-11-30); whether its 11 draft passes pay is
-    # what this row measures.
+    # The widest tree a graph replays (MAX_GRAPH_TOKENS): the most acceptance, for 11 draft passes a step.
     "eagle-dynamic-xl": Method("eagle", "smollm2-eagle",
                                {"dynamic_tree": True, "dynamic_depth": 12, "dynamic_top_k": 10, "max_draft_len": 255},
                                {"num_eagle_layers": 12, "max_draft_len": 255}),
@@ -342,9 +340,7 @@ METHODS: dict[str, Method] = {
     "eagle3-xl": Method("eagle3", "smollm2-eagle3",
                         {"dynamic_tree": True, "dynamic_depth": 12, "dynamic_top_k": 10, "max_draft_len": 255},
                         {"max_draft_len": 255}),
-    # Smaller trees (the number: draft tokens). A Medusa step of SmolLM2 took 1.8 single-token steps of
-    # device time on the H200, not the 8B shape's 1.2, so fewer nodes might pay. They did not (session n,
-    # BENCHMARKS.md §2): 16 draft tokens saved 7 % of the step's device time and lost 12 % of the acceptance.
+    # Smaller trees (the number: draft tokens): a cheaper step against less acceptance.
     "medusa-top16": Method("medusa", "smollm2-medusa", {"choices": "top16"}),
     "medusa-top32": Method("medusa", "smollm2-medusa", {"choices": "top32"}),
     "eagle-dynamic-16": Method("eagle", "smollm2-eagle", {"dynamic_tree": True, "max_draft_len": 16}),
@@ -600,9 +596,8 @@ def run_coldstart(cfg: BenchConfig, device: torch.device, engines: dict[str, Pat
 
     On CUDA the engine compiles and captures its graphs while loading (Engine.warm_up), so each engine
     starts twice in caches of its own: empty, then as the first start filled them. Inductor's and
-    Triton's both: with Triton's (~/.triton) left warm by earlier runs, an "empty" start of plain SmolLM2
-    measured 33.5 s against 33.2 warm (H200, session k); under cProfile, caches empty of both took 73.5 s
-    against 44-46 warm."""
+    Triton's both: with Triton's own cache (~/.triton) warm, an "empty" inductor cache hardly slows a start,
+    since the compiled kernels come from Triton's."""
     out = {}
     for name, engine_dir in engines.items():
         out[name] = {}
