@@ -18,6 +18,7 @@ COMMAND_MODULES = {
     "pipeline.triton.cli": ("triton-repo", "serve"),
     "pipeline.client.cli": ("client", "verify"),
     "pipeline.bench.cli": ("bench", "compare"),
+    "pipeline.train.cli": ("train",),
 }
 
 

