@@ -59,7 +59,8 @@ def _model(name: str, max_batch_size: int, inputs: tuple[T.Tensor, ...], outputs
 
 def preprocessing_config(engine: EngineDir) -> mc.ModelConfig:
     return _model(PREPROCESSING, engine.limits.max_batch_size, T.PREPROCESSING_INPUTS, T.PREPROCESSING_OUTPUTS,
-                  {"tokenizer_dir": str(engine.tokenizer_dir), "add_special_tokens": "true"})
+                  {"tokenizer_dir": str(engine.tokenizer_dir), "add_special_tokens": "true",
+                   "max_input_len": str(engine.limits.max_input_len)})
 
 
 def postprocessing_config(engine: EngineDir) -> mc.ModelConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -36,6 +37,14 @@ LOG_TAIL_LINES = 40
 SHM_DIR = Path("/dev/shm")
 # Triton's Python backend names its shared-memory regions <prefix><n>; ours carry a per-server prefix.
 SHM_PREFIX = "triton_python_backend_shm_region_specpipe"
+# libevhtp, tritonserver's HTTP layer, parses an application/x-www-form-urlencoded body (curl -d's and
+# urllib's default content type, whatever the body holds) into two stack arrays of the body's length on
+# an HTTP worker thread: with glibc's default 8 MiB thread stacks a form body of a few MB kills the server
+# with SIGSEGV before any model sees it, and 2.51 has no option that bounds the body. Thread stacks take
+# their size from RLIMIT_STACK at exec, so the server gets this much (address space, touched only as used):
+# form bodies up to about half of it parse; the preprocessing model then refuses the prompt by its bytes.
+THREAD_STACK_BYTES = 256 * 1024 * 1024
+MAX_FORM_BODY_BYTES = THREAD_STACK_BYTES // 2 - 1024 * 1024  # the two arrays plus the parser's own frames
 BACKEND_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specpipe" / "triton_backends"
 _instance_counter = itertools.count()
 
@@ -118,6 +127,13 @@ def server_command(repo: Path, ports: Ports, shm_prefix: str, log_verbose: int) 
     return [str(binary), *args, f"--backend-directory={bundled_backend_dir(pytriton)}"], env
 
 
+def _raise_stack_limit() -> None:
+    """In the child before exec: thread stacks of THREAD_STACK_BYTES (see there), or the hard limit if lower."""
+    _, hard = resource.getrlimit(resource.RLIMIT_STACK)
+    size = THREAD_STACK_BYTES if hard == resource.RLIM_INFINITY else min(THREAD_STACK_BYTES, hard)
+    resource.setrlimit(resource.RLIMIT_STACK, (size, hard))
+
+
 class TritonServer:
     """A running tritonserver; logs go to `log` (stderr by default), the last lines are kept for errors."""
 
@@ -164,7 +180,8 @@ class TritonServer:
         cmd, env = server_command(self.repo, self.ports, self.shm_prefix, self.log_verbose)
         # A new session, so that stopping the server also stops its Python-backend stub processes.
         self.process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, errors="replace", start_new_session=True)
+                                        text=True, errors="replace", start_new_session=True,
+                                        preexec_fn=_raise_stack_limit)
         self._log_thread = threading.Thread(target=self._forward_logs, daemon=True)
         self._log_thread.start()
         try:

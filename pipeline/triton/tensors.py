@@ -34,6 +34,7 @@ PREPROCESSING_INPUTS = (
     _opt("STOP_WORDS_DICT", "STRING", (VARIABLE,)),
     _opt("END_ID", "INT32"),
     _opt("PAD_ID", "INT32"),
+    _opt("APPLY_CHAT_TEMPLATE", "BOOL"),
 )
 PREPROCESSING_OUTPUTS = (
     Tensor("INPUT_ID", "INT32", (VARIABLE,)),
@@ -118,6 +119,7 @@ ENGINE_INPUT_OF = {
 PREPROCESSING_INPUT_OF = {
     "text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "bad_words": "BAD_WORDS_DICT",
     "stop_words": "STOP_WORDS_DICT", "end_id": "END_ID", "pad_id": "PAD_ID",
+    "apply_chat_template": "APPLY_CHAT_TEMPLATE",
 }
 # Preprocessing output -> engine input.
 ENGINE_INPUT_FROM_PREPROCESSING = {
@@ -152,6 +154,7 @@ ENSEMBLE_INPUTS = (
     _opt("return_num_output_tokens", "BOOL"),
     _opt("beam_width", "INT32"),
     _opt("stream", "BOOL"),
+    _opt("apply_chat_template", "BOOL"),  # the prompt is one user turn: wrap it in the tokenizer's chat template
 )
 ENSEMBLE_OUTPUTS = (Tensor("text_output", "STRING", (VARIABLE,)),) + PASSTHROUGH_OUTPUTS
 

@@ -1,7 +1,11 @@
 """Triton Python model `preprocessing`: text -> token ids, stop/bad words -> the [2, -1] id layout.
 
 Self-contained (numpy, transformers, Triton's pb_utils) so it also runs in the NGC TensorRT-LLM
-container, where specpipe is not installed. Tokenizes exactly like `tokenizer(text).input_ids`.
+container, where specpipe is not installed. Tokenizes exactly like `tokenizer(text).input_ids`, after the
+tokenizer's chat template (one user turn) when APPLY_CHAT_TEMPLATE is set.
+
+A prompt longer in bytes than max_input_len tokens can be is refused before tokenization (tokenizing
+megabytes takes seconds and gigabytes); every refusal is an INVALID_ARG error naming the input.
 """
 
 import json
@@ -11,6 +15,17 @@ import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
 WORDS_PAD = -1  # pads the id and offset rows of a words list, as the C++ backend expects
+
+
+class ClientError(ValueError):
+    """A request this model refuses; the message names the input and what to send instead."""
+
+
+def max_token_bytes(tokenizer):
+    """An upper bound on the text bytes one token covers: the longest vocabulary entry in UTF-8. Byte-level
+    BPE spells each byte as one character of at most 2 UTF-8 bytes and SentencePiece a space as a 3-byte
+    character, so the spelled entry is never shorter than the text it stands for."""
+    return max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())
 
 
 def words_to_ids(tokenizer, words):
@@ -36,7 +51,7 @@ def decode_utf8(value, what):
     try:
         return bytes(value).decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{what} is not valid UTF-8 (byte {exc.start}); send UTF-8 text") from None
+        raise ClientError(f"{what} is not valid UTF-8 (byte {exc.start}); send UTF-8 text") from None
 
 
 def pad_rows(rows, fill):
@@ -51,6 +66,10 @@ class TritonPythonModel:
         tokenizer_dir = params["tokenizer_dir"]["string_value"]
         self.add_special_tokens = params["add_special_tokens"]["string_value"].lower() in ("true", "1")
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        max_input_len = int(params["max_input_len"]["string_value"])
+        # A text over this many bytes has more than max_input_len tokens whatever it says.
+        self.max_prompt_bytes = max_input_len * max_token_bytes(self.tokenizer)
+        self.max_input_len = max_input_len
         self.end_id = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id
         self.pad_id = self.end_id if pad is None else pad
@@ -60,8 +79,9 @@ class TritonPythonModel:
         for request in requests:
             try:
                 responses.append(pb_utils.InferenceResponse(output_tensors=self._preprocess(request)))
-            except ValueError as exc:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"preprocessing: {exc}")))
+            except ClientError as exc:
+                error = pb_utils.TritonError(f"preprocessing: {exc}", pb_utils.TritonError.INVALID_ARG)
+                responses.append(pb_utils.InferenceResponse(error=error))
         return responses
 
     def _optional(self, request, name):
@@ -80,16 +100,36 @@ class TritonPythonModel:
             return np.full((batch, 1), default, dtype=np.int32)
         return value.reshape(batch, 1).astype(np.int32)
 
+    def _prompt(self, raw, chat):
+        """The text to tokenize: UTF-8 checked, within the byte limit, chat-templated when asked."""
+        if len(raw) > self.max_prompt_bytes:
+            raise ClientError(f"text_input has {len(raw)} bytes, over the {self.max_prompt_bytes} that "
+                              f"{self.max_input_len} tokens (this engine's max_input_len) can hold; shorten the prompt")
+        text = decode_utf8(raw, "text_input")
+        if not chat:
+            return text
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ClientError("apply_chat_template: this model's tokenizer has no chat template; leave it unset")
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=False)
+
     def _preprocess(self, request):
         query = self._optional(request, "QUERY")
+        if query is None or query.size == 0:
+            raise ClientError("input 'text_input' is missing; send the prompt as text_input")
         batch = query.shape[0]
-        texts = [decode_utf8(q, "text_input") for q in query.reshape(batch, -1)[:, 0]]
+        chat = self._optional(request, "APPLY_CHAT_TEMPLATE")
+        chat = [False] * batch if chat is None else [bool(c) for c in chat.reshape(batch, -1)[:, 0]]
+        texts = [self._prompt(q, c) for q, c in zip(query.reshape(batch, -1)[:, 0], chat)]
         ids = [np.array(self.tokenizer(t, add_special_tokens=self.add_special_tokens).input_ids, dtype=np.int32)
                for t in texts]
         lengths = np.array([[len(x)] for x in ids], dtype=np.int32)
         stop = [words_to_ids(self.tokenizer, w) for w in self._words(request, "STOP_WORDS_DICT", batch)]
         bad = [words_to_ids(self.tokenizer, w) for w in self._words(request, "BAD_WORDS_DICT", batch)]
-        output_len = self._optional(request, "REQUEST_OUTPUT_LEN").reshape(batch, -1).astype(np.int32)
+        output_len = self._optional(request, "REQUEST_OUTPUT_LEN")
+        if output_len is None or output_len.size != batch:
+            raise ClientError("input 'max_tokens' is missing; send the number of tokens to generate")
+        output_len = output_len.reshape(batch, -1).astype(np.int32)
         return [
             pb_utils.Tensor("INPUT_ID", pad_rows(ids, self.pad_id).astype(np.int32)),
             pb_utils.Tensor("REQUEST_INPUT_LEN", lengths),

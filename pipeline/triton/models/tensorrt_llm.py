@@ -21,6 +21,11 @@ from pipeline.engine.runner import Engine, RequestError, SamplingParams
 _SEND_LOCK = threading.Lock()
 
 
+# The launcher raises the server's stack limit (pipeline/triton/server.py: its HTTP parser's stack use), which
+# the stub inherits; request threads need no more than Python's usual stack.
+WORKER_STACK_BYTES = 8 * 1024 * 1024
+
+
 def _send(sender, response=None, flags=0):
     with _SEND_LOCK:
         if response is None:
@@ -86,6 +91,7 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config["parameters"].items()}
         self.engine = Engine.from_dir(params["engine_dir"], device=params["device"])
         self.exclude_input_default = params["exclude_input_in_output"].lower() in ("true", "1")
+        threading.stack_size(WORKER_STACK_BYTES)
         self.workers = set()
         self.workers_lock = threading.Lock()
         labels = {"model": args["model_name"], "spec_mode": self.engine.spec.mode}

@@ -16,7 +16,8 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PREPROCESSING, POSTPROCESSING = "preprocessing", "postprocessing"
 # client input -> preprocessing input
 PREPROCESSING_INPUT_OF = {"text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "bad_words": "BAD_WORDS_DICT",
-                          "stop_words": "STOP_WORDS_DICT", "end_id": "END_ID", "pad_id": "PAD_ID"}
+                          "stop_words": "STOP_WORDS_DICT", "end_id": "END_ID", "pad_id": "PAD_ID",
+                          "apply_chat_template": "APPLY_CHAT_TEMPLATE"}
 # preprocessing output -> engine input
 ENGINE_INPUT_FROM_PREPROCESSING = {
     "INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
@@ -43,6 +44,11 @@ DEFAULT_NUM_DRAFT_TOKENS = 4  # draft-model speculation when the request sends n
 # The Python backend's response path is not safe under concurrent sends from several threads
 # (seen: boost lock_exception and a segfault in libtriton_python with 4 streams): one lock for all.
 _SEND_LOCK = threading.Lock()
+
+
+# The launcher raises the server's stack limit (pipeline/triton/server.py: its HTTP parser's stack use), which
+# the stub inherits; request threads need no more than Python's usual stack.
+WORKER_STACK_BYTES = 8 * 1024 * 1024
 
 
 def _send(sender, response=None, flags=0):
@@ -76,6 +82,7 @@ class TritonPythonModel:
         self.draft_model = params["tensorrt_llm_draft_model_name"]
         self.accumulate = params["accumulate_tokens"].lower() in ("true", "1")
         self.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
+        threading.stack_size(WORKER_STACK_BYTES)
         self.workers = set()
         self.workers_lock = threading.Lock()
 
