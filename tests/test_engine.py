@@ -13,6 +13,7 @@ import torch
 from conftest import convert_and_build, stream_by_run_ahead
 from pipeline.convert.source import load_hf_model
 from pipeline.engine.runner import Engine, RequestError, SamplingParams
+from pipeline.engine.scheduler import SchedulerConfig
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "hello hello hello hello world, print it"]
 
@@ -225,39 +226,12 @@ def test_eagle_prompt_pass_padded_to_its_bucket_drafts_the_same(tiny_llama_engin
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_concurrent_plain_requests_are_batched_and_exact(tiny_llama_engine):
-    """Requests that overlap run in one batch (joining and leaving between steps) and each gets the
-    tokens it gets alone."""
-    import threading
-
-    engine = tiny_llama_engine
-    assert engine.batcher is not None and engine.batcher.rows >= 4
-    jobs = [(PROMPTS[i % 3], n) for i, n in enumerate((5, 40, 17, 28, 9, 33))]
-    alone = [greedy_ids(engine, text, n) for text, n in jobs]
-    results: list[list[int] | None] = [None] * len(jobs)
-    widest = []
-
-    def run(i: int) -> None:
-        text, n = jobs[i]
-        out = []
-        for chunk in engine.stream(engine.tokenizer(text).input_ids, SamplingParams(max_tokens=n, end_id=-1)):
-            widest.append(len(engine.batcher.active))
-            out.extend(chunk.token_ids)
-        results[i] = out
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert results == alone
-    assert max(widest) > 1, "the requests never shared a step"
-
-
-def test_running_ahead_changes_only_how_tokens_are_grouped(tiny_llama_engine):
-    """Queuing 5 greedy steps per host read (what CUDA engines do, 8 there) gives the tokens, stop
-    reasons and step counts of one step at a time; a stop inside a group drops the steps after it."""
-    engine = tiny_llama_engine
+def test_running_ahead_changes_only_how_tokens_are_grouped(tiny_llama_dir, tmp_path):
+    """A plain engine off the scheduler's batches (the single-stream loop) queuing 5 greedy steps per host
+    read (what CUDA engines do, 8 there) gives the tokens, stop reasons and step counts of one step at a
+    time; a stop inside a group drops the steps after it."""
+    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path), serving=SchedulerConfig(batched=False))
+    assert not engine.batched and engine.pool is None
     ids = engine.tokenizer(PROMPTS[2]).input_ids
     free = engine.generate(ids, SamplingParams(max_tokens=23, end_id=-1)).token_ids
     word = engine.tokenizer.decode(free[:9]).strip()[-3:]
@@ -268,37 +242,6 @@ def test_running_ahead_changes_only_how_tokens_are_grouped(tiny_llama_engine):
     assert all(seen[1, i] == seen[5, i] for i in range(len(requests))), seen
     assert seen[5, 1][0] == free[:free.index(free[7]) + 1] and seen[5, 1][1] == "end_id"
     assert seen[5, 2][1] == "stop" and seen[5, 3][0] == free[:1]
-
-
-def test_a_request_joining_a_run_ahead_takes_its_queued_steps_first(tiny_llama_engine):
-    """Run-ahead keeps the next group queued while it reads the current one; a request that joins
-    then makes the batch drain that group before the first shared step. Driven step by step (no
-    thread), so the join lands while a group is queued; each request gets the tokens it gets alone."""
-    import queue
-
-    from pipeline.engine.batcher import _Request
-
-    engine, batcher = tiny_llama_engine, tiny_llama_engine.batcher
-    jobs = [(PROMPTS[0], 30), (PROMPTS[1], 12)]
-    alone = [greedy_ids(engine, text, n) for text, n in jobs]
-    requests = []
-    for text, n in jobs:
-        params = SamplingParams(max_tokens=n, end_id=-1)
-        requests.append(_Request(engine.tokenizer(text).input_ids, params, *engine.request_state(params), queue.Queue()))
-    engine.run_ahead = 5
-    try:
-        with torch.inference_mode():
-            batcher._prefill(requests[0])
-            batcher._step()
-            assert requests[0].queued is not None  # a group is on the device, not yet read
-            batcher._prefill(requests[1])
-            while batcher.active:
-                batcher._step()
-    finally:
-        engine.run_ahead = 1
-    for r, want in zip(requests, alone):
-        chunks = [r.chunks.get_nowait() for _ in range(r.chunks.qsize())]
-        assert [t for c in chunks for t in c.token_ids] == want and chunks[-1].finished
 
 
 def greedy_ids(engine: Engine, text: str, n: int) -> list[int]:

@@ -15,6 +15,7 @@ from pipeline.engine.medusa import MedusaProposer, medusa_heads
 from pipeline.engine.model import ModelConfig, Transformer
 from pipeline.engine.ngram import NgramProposer
 from pipeline.engine.runner import Engine, prepare_kernels
+from pipeline.engine.scheduler import SchedulerConfig
 from pipeline.engine.speculative import Proposer
 from pipeline.engine.tree import build_tree
 from pipeline.engine.weights import engine_state_dict, load_into
@@ -37,7 +38,8 @@ def build_transformer(config: dict, tensors: dict[str, torch.Tensor], what: str,
     return model
 
 
-def load_engine(engine: EngineDir, device: torch.device, dtype: torch.dtype | None) -> Engine:
+def load_engine(engine: EngineDir, device: torch.device, dtype: torch.dtype | None,
+                serving: SchedulerConfig | None = None) -> Engine:
     from transformers import AutoTokenizer
 
     from pipeline.convert.checkpoint import read_checkpoint
@@ -51,7 +53,7 @@ def load_engine(engine: EngineDir, device: torch.device, dtype: torch.dtype | No
     limits = engine.limits
     proposer = make_proposer(engine, config, tensors, target, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(engine.tokenizer_dir)
-    runtime = Engine(target, tokenizer, limits, engine.spec, proposer)
+    runtime = Engine(target, tokenizer, limits, engine.spec, proposer, serving)
     runtime.warm_up()
     return runtime
 

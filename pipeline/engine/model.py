@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.engine.kv_cache import BlockPool, PagedView
 from pipeline.errors import UserError
 
 SUPPORTED_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
@@ -207,6 +208,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.rotate_and_store(self.qkv(x), ctx, layer)
+        if ctx.paged is not None:
+            return self.dense(self.paged_attention(q, ctx.paged, ctx.mask, layer).reshape(b, t, -1))
         if self.slot_attention is not None and ctx.region is not None:  # reads only the slots in use
             out = self.slot_attention(q[0], ctx.cache.k[layer, 0], ctx.cache.v[layer, 0], *ctx.visible_slots())
             return self.dense(out.view(b, t, -1))
@@ -218,6 +221,22 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, is_causal=ctx.is_causal,
                                                  enable_gqa=self.num_kv_heads != self.num_heads)
         return self.dense(out.transpose(1, 2).reshape(b, t, -1))
+
+    def paged_attention(self, q: torch.Tensor, paged: PagedView, mask: torch.Tensor | None,
+                        layer: int) -> torch.Tensor:
+        """q [B, T, H, D] over each row's cached sequence in the block pool -> [B, T, H, D]. One token a row
+        on CUDA goes through the paged kernel; otherwise each row's sequence is gathered for SDPA."""
+        pool = paged.pool
+        if q.is_cuda and q.shape[1] == 1 and self.head_size & (self.head_size - 1) == 0:
+            from pipeline.engine.paged_attention import paged_decode_attention
+
+            out = paged_decode_attention(q[:, 0], pool.k[layer], pool.v[layer], paged.table, paged.lengths,
+                                         pool.block_size)
+            return out[:, None]
+        keys, values = pool.gather(layer, paged.table, paged.attn_len)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        return out.transpose(1, 2)
 
     def rotate_and_store(self, qkv: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
         """qkv [B, T, (H + 2 Hkv) D]: rotates q and k, writes k and v to the cache; returns q [B, T, H, D]."""
@@ -273,7 +292,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
-        if self.fused is not None:
+        if self.fused is not None and ctx.paged is None:
             return self.fused(self, x, ctx, layer)
         x = x + self.attention(self.input_layernorm(x), ctx, layer)
         return x + self.mlp(self.post_layernorm(x))
@@ -285,7 +304,7 @@ class ForwardContext:
 
     positions: torch.Tensor  # [B, T] RoPE positions
     slots: torch.Tensor  # [B, T] cache slots written
-    cache: KVCache
+    cache: KVCache | BlockPool  # written at `slots` by each layer
     attn_len: int  # slots [0, attn_len) are read
     mask: torch.Tensor | None  # [B, 1, T, attn_len] bool, True = may attend; None with is_causal or all-visible
     is_causal: bool
@@ -294,6 +313,7 @@ class ForwardContext:
     # device length and the rows [T, R] of the region past it.
     length: torch.Tensor | None = None
     region: torch.Tensor | None = None
+    paged: PagedView | None = None  # rows of a batch reading the block pool through their block tables
 
     def visible_slots(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(length, rows) for fused_kernels.slot_attention. One token whose region is its own slot
@@ -351,6 +371,14 @@ def decode_context(cache: KVCache, rotary: Rotary, lengths: torch.Tensor, attn_l
     positions = lengths[:, None]
     visible = torch.arange(attn_len, device=lengths.device)[None, :] <= positions
     return ForwardContext(positions, positions, cache, attn_len, visible[:, None, None, :], False, rotary)
+
+
+def paged_context(view: PagedView, rotary: Rotary) -> ForwardContext:
+    """Context for a batched step over the block pool: token t of row b (at view.positions[b, t]) reads
+    its row's sequence up to and including its own position."""
+    visible = torch.arange(view.attn_len, device=view.positions.device) <= view.positions[:, :, None]
+    return ForwardContext(view.positions, view.slots, view.pool, view.attn_len, visible[:, None], False, rotary,
+                          paged=view)
 
 
 class Transformer(nn.Module):

@@ -1,13 +1,14 @@
-"""The portable engine: load an engine directory, then prefill + speculative decode.
+"""The portable engine: load an engine directory, then serve requests through the scheduler.
 
-generate -> validate -> prefill (target over the prompt, first token) -> loop:
+Plain engines batch every request in flight over the paged KV cache (scheduler.py -> step.py -> model).
+Speculative engines serve one request at a time through this module's decode loop:
+validate -> prefill (target over the prompt, first token) -> loop:
   propose (tree) -> verify (one target pass over the tree) -> accept (path + bonus token)
   -> compact the accepted path's KV -> one host copy of the new tokens -> stop checks -> stream.
 On CUDA, greedy requests whose proposer reads only device state (EAGLE, Medusa) queue up to
 run_ahead steps before that host copy, the cache length staying on the device meanwhile, and the next
 group is queued before the host reads the current one (readback.py).
-Plain decoding is the same loop with a one-node tree; plain engines also batch concurrent requests
-(batcher.py), while a speculative engine serves one request at a time.
+Plain decoding through this loop is the same loop with a one-node tree.
 """
 
 from __future__ import annotations
@@ -20,18 +21,21 @@ from typing import Callable, Iterator
 
 import torch
 
-from pipeline.engine import fused, onednn
+from pipeline.engine import onednn
 from pipeline.engine.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
 from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
 from pipeline.engine.cpu_threads import on_own_thread
-from pipeline.engine.batcher import Batcher
 from pipeline.engine.graphs import MAX_PREFILL_TOKENS, Compiled, GraphedTarget, prefill_bucket, prefill_buckets
+from pipeline.engine.kernels.routing import attach
 from pipeline.engine.model import KVCache, Transformer, full_slot_context, make_context
+from pipeline.engine.kv_cache import BlockPool
 from pipeline.engine.readback import Pending, Readback
 from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
+from pipeline.engine.scheduler import Scheduler, SchedulerConfig
 from pipeline.engine.sampling import RequestError, SamplingParams, argmax_rows, choose
 from pipeline.engine.speculative import PlainProposer, Proposer, StepInput, TargetPass
 from pipeline.engine.stats import SpecStats
+from pipeline.engine.step import BatchStep
 from pipeline.engine.tree import DraftTree
 
 WARMUP_NEW_TOKENS = 8
@@ -63,7 +67,7 @@ def prepare_kernels(module: torch.nn.Module) -> None:
     if next(module.parameters()).device.type == "cpu":
         onednn.pack(module)
     else:
-        fused.attach(module)
+        attach(module)
 
 
 @dataclass
@@ -83,50 +87,79 @@ class _Steps:
 
 class Engine:
     def __init__(self, target: Transformer, tokenizer, limits: EngineLimits, spec: SpecConfig,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, serving: SchedulerConfig | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.limits = limits
         self.spec = spec
         self.device = target.lm_head.weight.device
         self.proposer: Proposer = proposer or PlainProposer(self.device)
-        # Plain decoding batches requests (one cache row each); a speculative engine's proposer holds
-        # per-request state, so it serves one request at a time on row 0.
-        rows = limits.max_batch_size if isinstance(self.proposer, PlainProposer) else 1
-        self.batch_cache = target.new_cache(limits.max_seq_len + self.proposer.max_nodes, batch=rows)
-        self.cache = self.batch_cache.rows(0, 1)
+        serving = serving or SchedulerConfig()
+        # A plain engine batches every request in flight over the block pool (scheduler.py, step.py); a
+        # speculative engine's proposer holds per-request state, so it serves one request at a time on a
+        # cache of one sequence, through _decode. `serving.batched` False puts a plain engine on that
+        # path too (the kernel benchmarks measure a single stream there).
+        self.batched = isinstance(self.proposer, PlainProposer) and serving.batched
+        self.cache = target.new_cache(limits.max_seq_len + self.proposer.max_nodes)
         # CUDA graphs for decode and verification steps; the CPU path stays eager. Set to None to
         # run a CUDA engine eagerly (the benchmark does, to show what the graphs buy).
         self.graphs: GraphedTarget | None = None
         prepare_kernels(target)  # before capture: the graphs record whichever kernels the layers call
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self.batched:
             self.graphs = GraphedTarget(target, self.cache, self.proposer.capture_layers)
-        # Plain engines decode in the batcher (batch 1 included); the device runs ahead of the host
-        # by this many greedy steps (1 on the CPU, where the host is the device anyway).
         self.run_ahead = RUN_AHEAD_STEPS if self.device.type == "cuda" else 1
         self.slot_offsets = torch.arange(self.proposer.max_nodes, device=self.device)
         # hidden [N, H] -> greedy tokens [N], compiled on CUDA: the LM head, then the argmax in two
         # parallel stages (one reduction over the vocabulary runs on one block).
         self.greedy = Compiled(lambda hidden: argmax_rows(self.target.logits(hidden)),
                                None if self.device.type == "cuda" else False)
-        self.batcher = Batcher(self) if isinstance(self.proposer, PlainProposer) else None
-        self._lock = threading.Lock()  # speculative engines: one request at a time
-        self.readback = Readback()  # host copies of queued steps (this loop's or the batcher's)
+        self.readback = Readback()  # host copies of queued steps
+        self.max_batch_size = serving.max_batch_size or limits.max_batch_size
+        self.pool: BlockPool | None = None
+        step = None
+        if self.batched:
+            cfg = target.cfg
+            bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * target.lm_head.weight.element_size()
+            blocks = serving.cache.num_blocks(bytes_per_token, self.device, self.max_batch_size, limits.max_seq_len)
+            self.pool = BlockPool(cfg.num_layers, blocks, serving.cache.block_size, cfg.num_kv_heads, cfg.head_size,
+                                  target.lm_head.weight.dtype, self.device)
+            step = BatchStep(target, self.pool, self.max_batch_size, limits.max_seq_len)
+        self.scheduler = Scheduler(serving, self.max_batch_size, step, self.result, self.stop_checker,
+                                   None if self.batched else self._serial)
+
+    @property
+    def capacity(self) -> dict[str, int]:
+        """What the engine serves at once: rows of a batch and tokens of KV cache."""
+        kv_tokens = self.pool.usable_blocks * self.pool.block_size if self.pool is not None else self.cache.num_slots
+        return {"max_batch_size": self.max_batch_size if self.batched else 1, "kv_cache_tokens": kv_tokens,
+                "max_queue": self.scheduler.config.max_queue}
 
     @classmethod
-    def from_dir(cls, engine_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> "Engine":
+    def from_dir(cls, engine_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
+                 serving: SchedulerConfig | None = None) -> "Engine":
         from pipeline.engine.loader import load_engine
 
         engine_dir, target = EngineDir.load(engine_dir), torch.device(device)
         if target.type != "cpu":
-            return load_engine(engine_dir, target, dtype)
-        # The caller's thread may not be the one that decodes (batcher, server threads): see cpu_threads.
-        return on_own_thread(load_engine, engine_dir, target, dtype)
+            return load_engine(engine_dir, target, dtype, serving)
+        # The caller's thread may not be the one that decodes (the scheduler's): see cpu_threads.
+        return on_own_thread(load_engine, engine_dir, target, dtype, serving)
 
     def warm_up(self) -> None:
         """Compile and capture the decode and verification graphs now rather than inside the first
         request (on CUDA that takes seconds to a minute; torch.compile's disk cache shortens later starts),
         with one request a prompt bucket so that every prefill graph exists too."""
+        if self.device.type != "cuda":
+            return
+        if self.batched:  # every batch bucket's decode graph, greedy and sampled
+            for rows in self.scheduler.step.buckets:
+                for temperature in (0.0, 1.0):
+                    params = SamplingParams(max_tokens=WARMUP_NEW_TOKENS, temperature=temperature, seed=0, end_id=-1)
+                    streams = [self.stream([0], params) for _ in range(rows)]
+                    for chunks in streams:
+                        for _ in chunks:
+                            pass
+            return
         if self.graphs is None:
             return
         for n in warm_up_prompt_lengths(self.limits):
@@ -154,11 +187,14 @@ class Engine:
         raise AssertionError("stream ended without a final chunk")
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
+        """The request's chunks as the scheduler produces them; closing the iterator cancels the request.
+        RequestError for a request the engine refuses, EngineBusy when its queue is full (both before any
+        chunk)."""
         self.validate(prompt_ids, params)
-        if self.batcher is not None:
-            yield from self.batcher.stream(prompt_ids, params)
-            return
-        with self._lock, torch.inference_mode():
+        return self.scheduler.submit(prompt_ids, params)
+
+    def _serial(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
+        with torch.inference_mode():
             yield from self._decode(list(prompt_ids), params)
 
     def verify_external(self, prompt_ids: list[int], draft_ids: list[int]) -> list[int]:
@@ -181,11 +217,14 @@ class Engine:
             accepted += 1
         return draft_ids[:accepted] + [choice[accepted]]
 
+    def stop_checker(self, params: SamplingParams) -> StopChecker:
+        end_id = self.tokenizer.eos_token_id if params.end_id is None else (None if params.end_id < 0 else params.end_id)
+        return StopChecker(params, end_id, self.tokenizer)
+
     def request_state(self, params: SamplingParams) -> tuple[torch.Generator, StopChecker]:
         """A request's own random generator (seeded when asked) and stop conditions."""
         generator = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
-        end_id = self.tokenizer.eos_token_id if params.end_id is None else (None if params.end_id < 0 else params.end_id)
-        return generator, StopChecker(params, end_id, self.tokenizer)
+        return generator, self.stop_checker(params)
 
     def result(self, prompt_ids: list[int], out: list[int], reason: str, stats: SpecStats) -> GenerationResult:
         return GenerationResult(prompt_ids, out, self.tokenizer.decode(out, skip_special_tokens=True), reason, stats)

@@ -70,7 +70,7 @@ class PlainProposer:
 
     capture_layers: tuple[int, ...] = ()
     max_nodes = 1
-    runs_ahead = False  # plain engines run ahead in the batcher
+    runs_ahead = True  # nothing to draft: greedy steps queue up on the device
     drafts_from_buffers = False
 
     def __init__(self, device: torch.device | str):

@@ -1,0 +1,239 @@
+"""The scheduler: one thread owns the device and serves every request in flight.
+
+Requests wait in a bounded queue (a full queue refuses at once with EngineBusy) and are admitted in
+arrival order while the block pool can hold their worst case (prompt + max_tokens), so a running
+request never runs out of blocks; blocks are taken as sequences grow and given back the moment a
+request finishes or is cancelled. Each iteration runs at most one prefill chunk (so a long prompt
+stalls the running streams by one chunk) and then one decode step for every running request, whose
+new tokens reach the host in one copy. A consumer that stops reading (closes the stream) cancels its
+request at the next iteration.
+
+A speculative engine's proposer keeps per-request state, so there the scheduler serves the queue one
+request at a time through the engine's own decode loop (`serial`).
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from pipeline.engine.kv_cache import CacheBudget
+from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
+from pipeline.engine.sampling import SEED_LIMIT, EngineBusy, SamplingParams
+from pipeline.engine.stats import SpecStats
+from pipeline.engine.step import POSITION, SEED, TABLE, TEMPERATURE, TOKEN, TOP_K, TOP_P, BatchStep
+from pipeline.errors import UserError
+
+DEFAULT_MAX_QUEUE = 256
+DEFAULT_PREFILL_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How an engine serves: the serve-time options (`specpipe serve`, `Engine.from_dir(serving=...)`)."""
+
+    max_batch_size: int | None = None  # rows a step runs at most; None: the engine's build value
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting for admission before new ones are refused
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens an iteration prefills at most
+    cache: CacheBudget = field(default_factory=CacheBudget)
+    batched: bool = True  # False: a plain engine serves one request at a time, like a speculative one
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_queue", "prefill_chunk"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"--{name.replace('_', '-')} {value}: must be >= 1")
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: StopChecker
+    chunks: queue.Queue  # StreamChunk, or the exception that ended it
+    ints: np.ndarray  # the step's int inputs for this row (step.TOKEN ... TABLE)
+    floats: np.ndarray
+    table: list[int] = field(default_factory=list)  # pool blocks, in sequence order
+    out: list[int] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+    cached: int = 0  # tokens whose KV is in the pool
+    worst_blocks: int = 0  # blocks the request may come to hold
+    cancelled: bool = False
+
+    @property
+    def prefilled(self) -> bool:
+        return self.cached >= len(self.prompt_ids)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, max_batch_size: int, step: BatchStep | None,
+                 result: Callable[..., GenerationResult], stop_checker: Callable[[SamplingParams], StopChecker],
+                 serial: Callable[[list[int], SamplingParams], Iterator[StreamChunk]] | None = None):
+        self.config = config
+        self.max_batch_size = max_batch_size
+        self.step = step
+        self.pool = step.pool if step is not None else None
+        self.result = result
+        self.stop_checker = stop_checker
+        self.serial = serial
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.lock = threading.Condition()
+        self.thread: threading.Thread | None = None
+
+    # -- the caller's side ----------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
+        """Queue a request (validated by the engine) and stream its chunks; EngineBusy when the queue is full."""
+        ints, floats = self.step.new_row() if self.step is not None else (np.zeros(0, np.int64), np.zeros(0))
+        request = Request(list(prompt_ids), params, self.stop_checker(params), queue.Queue(), ints, floats)
+        if self.step is not None:
+            seed = params.seed if params.seed is not None else random.randrange(SEED_LIMIT)
+            ints[TOP_K], ints[SEED] = params.top_k, seed
+            floats[TEMPERATURE], floats[TOP_P] = params.temperature, params.top_p
+            request.worst_blocks = self.pool.blocks_for(len(prompt_ids) + params.max_tokens)
+        with self.lock:
+            if len(self.waiting) >= self.config.max_queue:
+                raise EngineBusy(f"the engine is busy: {len(self.waiting)} requests are waiting (--max-queue "
+                                 f"{self.config.max_queue}); retry later")
+            self.waiting.append(request)
+            if self.thread is None:
+                # Not a daemon: the interpreter waits for it rather than killing it inside torch at exit.
+                self.thread = threading.Thread(target=self._loop, name="specpipe-scheduler")
+                self.thread.start()
+            self.lock.notify()
+        return self._stream(request)
+
+    def _stream(self, request: Request) -> Iterator[StreamChunk]:
+        try:
+            while True:
+                item = request.chunks.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            request.cancelled = True  # a consumer that stops reading frees the request's blocks at the next iteration
+
+    def usage(self) -> dict[str, int]:
+        """Requests waiting and running, and blocks in use (a snapshot, for tests and metrics)."""
+        with self.lock:
+            return {"waiting": len(self.waiting), "running": len(self.running),
+                    "used_blocks": self.pool.used_blocks if self.pool is not None else 0}
+
+    # -- the device's side (the scheduler thread) -------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                self._drop_cancelled()
+                if not self.waiting and not self.running:
+                    self.thread = None  # idle: the next request starts another thread
+                    return
+                if self.serial is None:
+                    self._admit()
+            try:
+                if self.serial is not None:
+                    self._serve_one()
+                else:
+                    self._iterate()
+            except Exception as exc:  # a failed step ends every request in it, loudly; the engine keeps serving
+                with self.lock:
+                    failed, self.running = self.running, []
+                for request in failed:
+                    self._finish(request, exc)
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(request)
+        for request in [r for r in self.running if r.cancelled and self.pool is not None]:
+            self._release(request)
+
+    def _admit(self) -> None:
+        """Waiting requests join in arrival order while rows and the pool's worst case allow."""
+        reserved = sum(r.worst_blocks - len(r.table) for r in self.running)
+        while self.waiting and len(self.running) < self.max_batch_size:
+            head = self.waiting[0]
+            if len(self.pool.free) - reserved < head.worst_blocks:
+                break
+            reserved += head.worst_blocks
+            self.running.append(self.waiting.popleft())
+
+    def _iterate(self) -> None:
+        prefilling = next((r for r in self.running if not r.prefilled), None)
+        if prefilling is not None:
+            self._prefill_chunk(prefilling)
+        decoding = [r for r in self.running if r.prefilled and r.out and r is not prefilling]
+        if decoding:
+            self._decode(decoding)
+
+    def _prefill_chunk(self, r: Request) -> None:
+        start = r.cached
+        end = min(len(r.prompt_ids), start + self.config.prefill_chunk)
+        self.pool.grow(r.table, end)
+        r.ints[TABLE:TABLE + len(r.table)] = r.table
+        token = self.step.prefill(r.prompt_ids[start:end], start, r.ints, r.floats, last=end == len(r.prompt_ids))
+        r.cached = end
+        if token is not None:
+            self._emit([r], token.tolist(), counts_step=False)
+
+    def _decode(self, rows: list[Request]) -> None:
+        for r in rows:
+            self.pool.grow(r.table, r.cached + 1)
+            r.ints[TABLE:TABLE + len(r.table)] = r.table
+            r.ints[TOKEN], r.ints[POSITION] = r.out[-1], r.cached
+        tokens = self.step.decode(np.stack([r.ints for r in rows]), np.stack([r.floats for r in rows]))
+        for r in rows:
+            r.cached += 1
+        self._emit(rows, tokens.tolist(), counts_step=True)  # the step's one host sync
+
+    def _emit(self, rows: list[Request], tokens: list[int], counts_step: bool) -> None:
+        """Each row's new token through its stop conditions; one chunk each; finished rows leave."""
+        for r, token in zip(rows, tokens):
+            new = r.stop.take(r.out, [token])
+            if counts_step:
+                r.stats.record(0, 0, 0)
+            if r.cancelled:
+                continue  # dropped at the next iteration
+            if r.stop.reason:
+                r.chunks.put(StreamChunk(new, True, self.result(r.prompt_ids, r.out, r.stop.reason, r.stats)))
+                with self.lock:
+                    self._release(r)
+            else:
+                r.chunks.put(StreamChunk(new, False))
+
+    def _release(self, r: Request) -> None:
+        self.pool.release(r.table)
+        if r in self.running:
+            self.running.remove(r)
+
+    def _finish(self, r: Request, error: BaseException) -> None:
+        with self.lock:
+            if self.pool is not None:
+                self._release(r)
+        r.chunks.put(error)
+
+    def _serve_one(self) -> None:
+        """A speculative engine: the oldest waiting request runs whole through the engine's decode loop."""
+        with self.lock:
+            if not self.waiting:
+                return
+            r = self.waiting.popleft()
+            self.running.append(r)
+        chunks = self.serial(r.prompt_ids, r.params)
+        try:
+            for chunk in chunks:
+                if r.cancelled:
+                    break
+                r.chunks.put(chunk)
+        except Exception as exc:  # noqa: BLE001 - ends this request with its error; the next is served
+            r.chunks.put(exc)
+        finally:
+            chunks.close()  # type: ignore[attr-defined]
+            with self.lock:
+                self.running.remove(r)

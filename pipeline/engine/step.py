@@ -1,0 +1,131 @@
+"""The batched step: the target over a batch of rows in the block pool, then each row's next token drawn
+on the device.
+
+A decode step takes one token from each of B running requests. On CUDA it replays a graph captured for
+the smallest batch bucket (1, 2, 4, ..., max_batch_size) holding B rows; the padding rows read and write
+only the pool's scratch block. A prefill chunk runs a run of one request's prompt tokens (eager), its
+last token's draw taken only when the chunk ends the prompt. Each call's result stays on the device:
+the scheduler copies all of a step's tokens to the host at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pipeline.engine.graphs import CapturedStep, Compiled
+from pipeline.engine.kv_cache import SCRATCH_BLOCK, BlockPool, PagedView
+from pipeline.engine.model import Transformer, paged_context
+from pipeline.engine.sampling import argmax_rows, sample_rows
+
+# Batch buckets of the decode graphs: each step pads its rows to the next one.
+MIN_BUCKET = 1
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    buckets, b = [], MIN_BUCKET
+    while b < max_batch_size:
+        buckets.append(b)
+        b *= 2
+    return buckets + [max_batch_size]
+
+
+# Columns of a row's int64 step input: the token fed, its position, top-k, seed, then the block table.
+TOKEN, POSITION, TOP_K, SEED, TABLE = 0, 1, 2, 3, 4
+# Columns of a row's float input.
+TEMPERATURE, TOP_P = 0, 1
+
+
+def step_mode(floats: np.ndarray, ints: np.ndarray) -> str:
+    """The step's sampling variant (each has graphs of its own): greedy when every row is, filtered when
+    any row uses top-k or top-p."""
+    if not (floats[:, TEMPERATURE] > 0).any():
+        return "greedy"
+    return "filtered" if (ints[:, TOP_K] > 0).any() or (floats[:, TOP_P] < 1.0).any() else "sampled"
+
+
+class _Buffers:
+    """A bucket's static inputs: graphs read them at fixed addresses, the host fills them before each replay."""
+
+    def __init__(self, rows: int, max_blocks: int, device: torch.device):
+        self.ints = torch.zeros(rows, TABLE + max_blocks, dtype=torch.long, device=device)
+        self.floats = torch.zeros(rows, 2, device=device)
+        self.host_ints = torch.zeros(self.ints.shape, dtype=torch.long)
+        self.host_floats = torch.zeros(self.floats.shape)
+        if device.type == "cuda":
+            self.host_ints, self.host_floats = self.host_ints.pin_memory(), self.host_floats.pin_memory()
+
+
+class BatchStep:
+    def __init__(self, target: Transformer, pool: BlockPool, max_batch_size: int, max_seq_len: int):
+        self.target, self.pool = target, pool
+        self.device = target.lm_head.weight.device
+        self.max_blocks = pool.blocks_for(max_seq_len)
+        self.max_seq_len = self.max_blocks * pool.block_size
+        self.buckets = batch_buckets(max_batch_size)
+        self.capture = self.device.type == "cuda"
+        self.pool_handle = torch.cuda.graph_pool_handle() if self.capture else None
+        self.compiled = Compiled(self._decode, None if self.capture else False)
+        self.buffers = {b: _Buffers(b, self.max_blocks, self.device) for b in self.buckets} if self.capture else {}
+        self.graphs: dict[tuple[int, str], CapturedStep] = {}
+
+    def new_row(self) -> tuple[np.ndarray, np.ndarray]:
+        """A request's step inputs (ints, floats), kept by the scheduler and updated in place."""
+        return np.zeros(TABLE + self.max_blocks, dtype=np.int64), np.zeros(2, dtype=np.float32)
+
+    def decode(self, ints: np.ndarray, floats: np.ndarray) -> torch.Tensor:
+        """One token a row: ints [B, TABLE + blocks] and floats [B, 2] as laid out above (each row's table
+        already holds its new token's slot) -> [B] next tokens on the device."""
+        rows = ints.shape[0]
+        mode = step_mode(floats, ints)
+        if not self.capture:
+            attn_len = int(ints[:, POSITION].max()) + 1
+            return self.compiled(torch.from_numpy(ints), torch.from_numpy(floats), attn_len, mode)
+        bucket = next(b for b in self.buckets if b >= rows)
+        x = self.buffers[bucket]
+        host_ints, host_floats = x.host_ints.numpy(), x.host_floats.numpy()
+        host_ints[:rows], host_floats[:rows] = ints, floats
+        host_ints[rows:] = 0  # padding rows: position 0 of the scratch block, greedy
+        host_floats[rows:] = (0.0, 1.0)
+        x.ints.copy_(x.host_ints, non_blocking=True)
+        x.floats.copy_(x.host_floats, non_blocking=True)
+        key = (bucket, mode)
+        if key not in self.graphs:
+            self.graphs[key] = CapturedStep(lambda: self.compiled(x.ints, x.floats, self.max_seq_len, mode),
+                                            self.pool_handle)
+        return self.graphs[key]()[:rows]
+
+    def _decode(self, ints: torch.Tensor, floats: torch.Tensor, attn_len: int, mode: str) -> torch.Tensor:
+        tokens, top_k, seeds, table = ints[:, TOKEN], ints[:, TOP_K], ints[:, SEED], ints[:, TABLE:]
+        positions = ints[:, POSITION, None]
+        view = PagedView(self.pool, positions, self.pool.slots(table, positions), table, positions[:, 0] + 1, attn_len)
+        hidden, _ = self.target(tokens[:, None], paged_context(view, self.target.rotary))
+        logits = self.target.logits(hidden[:, 0])
+        # The drawn token's key is its own position: one past the token fed.
+        return self._choose(logits, floats, top_k, seeds, positions[:, 0] + 1, mode)
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, floats: torch.Tensor, top_k: torch.Tensor, seeds: torch.Tensor,
+                positions: torch.Tensor, mode: str) -> torch.Tensor:
+        if mode == "greedy":
+            return argmax_rows(logits)
+        return sample_rows(logits, floats[:, TEMPERATURE], top_k, floats[:, TOP_P], seeds, positions,
+                           mode == "filtered")
+
+    def prefill(self, tokens: list[int], start: int, ints: np.ndarray, floats: np.ndarray,
+                last: bool) -> torch.Tensor | None:
+        """Prompt tokens at positions start.. of one request (its row inputs `ints`, `floats`; its table
+        holds them) -> its next token [1] on the device when `last` (the chunk ends the prompt), else None."""
+        device = self.device
+        n = len(tokens)
+        row = torch.from_numpy(ints[None]).to(device)
+        table = row[:, TABLE:]
+        positions = torch.arange(start, start + n, device=device)[None]
+        view = PagedView(self.pool, positions, self.pool.slots(table, positions), table,
+                         torch.tensor([start + n], device=device), start + n)
+        hidden, _ = self.target(torch.tensor([tokens], device=device), paged_context(view, self.target.rotary))
+        if not last:
+            return None
+        logits = self.target.logits(hidden[:, -1])
+        return self._choose(logits, torch.from_numpy(floats[None]).to(device), row[:, TOP_K], row[:, SEED],
+                            torch.tensor([start + n], device=device), step_mode(floats[None], ints[None]))

@@ -1,0 +1,52 @@
+"""The paged decode kernel against the gathered attention (SDPA over each row's sequence).
+
+Run with TRITON_INTERPRET=1 on CPU tensors (tests/test_scheduler.py does), or as is on a GPU:
+`python tests/paged_kernel_check.py`. Prints "ok" when every case matches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.engine.kv_cache import BlockPool
+from pipeline.engine.paged_attention import paged_decode_attention
+
+# (rows' lengths, heads, kv heads, head size, block size, dtype)
+CASES = (
+    ((5, 1, 40, 17), 4, 2, 16, 8, torch.float32),
+    ((3,), 3, 3, 32, 4, torch.float32),
+    ((70, 9, 33), 9, 3, 64, 16, torch.bfloat16),
+)
+
+
+def check(device: str) -> None:
+    torch.manual_seed(0)
+    for lengths, heads, kv_heads, head, block, dtype in CASES:
+        rows = len(lengths)
+        blocks = [-(-n // block) for n in lengths]
+        pool = BlockPool(1, 1 + sum(blocks) + 3, block, kv_heads, head, dtype, device)
+        pool.k.normal_()
+        pool.v.normal_()
+        tables = []
+        for n in blocks:  # blocks handed out in a scrambled order: tables are not contiguous
+            table: list[int] = []
+            pool.grow(table, n * block)
+            tables.append(table[::-1])
+        width = max(blocks)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+        q = torch.randn(rows, heads, head, device=device).to(dtype)
+        length = torch.tensor(lengths, device=device)
+        got = paged_decode_attention(q, pool.k[0], pool.v[0], table, length, block)
+        keys, values = pool.gather(0, table, max(lengths))
+        visible = torch.arange(max(lengths), device=device)[None, :] < length[:, None]
+        want = F.scaled_dot_product_attention(q[:, :, None].float(), keys.transpose(1, 2).float(),
+                                              values.transpose(1, 2).float(), attn_mask=visible[:, None, None],
+                                              enable_gqa=True)[:, :, 0]
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    print("ok")
+
+
+if __name__ == "__main__":
+    check("cuda" if torch.cuda.is_available() else "cpu")

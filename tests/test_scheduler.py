@@ -1,0 +1,200 @@
+"""The batched core: paged KV cache, scheduler, batched step and device sampling (CPU, float32)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import convert_and_build
+from pipeline.engine.kv_cache import CacheBudget
+from pipeline.engine.runner import Engine
+from pipeline.engine.sampling import EngineBusy, RequestError, SamplingParams, sample_rows, target_probs
+from pipeline.engine.scheduler import SchedulerConfig
+from pipeline.errors import UserError
+
+PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog and runs", "hello", "1 2 3 4 5 6 7 8 9 10 11"]
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_llama_dir: Path, tmp_path_factory) -> Path:
+    return convert_and_build(tiny_llama_dir, tmp_path_factory.mktemp("batched"))
+
+
+@pytest.fixture(scope="module")
+def engine(engine_dir: Path) -> Engine:
+    return Engine.from_dir(engine_dir)
+
+
+def jobs(engine: Engine, count: int) -> list[tuple[list[int], SamplingParams]]:
+    """Requests of other prompt lengths, max_tokens, stop words and sampling parameters."""
+    out = []
+    for i in range(count):
+        ids = engine.tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids
+        kind = i % 4
+        if kind == 0:
+            params = SamplingParams(max_tokens=7 + 5 * i, end_id=-1)
+        elif kind == 1:
+            params = SamplingParams(max_tokens=20, temperature=0.9, seed=100 + i, end_id=-1)
+        elif kind == 2:
+            params = SamplingParams(max_tokens=25, temperature=1.2, top_k=8, top_p=0.8, seed=i, end_id=-1)
+        else:
+            params = SamplingParams(max_tokens=30, end_id=-1, stop_words=("e",))
+        out.append((ids, params))
+    return out
+
+
+def run_together(engine: Engine, work: list[tuple[list[int], SamplingParams]]) -> tuple[list[list[int]], int]:
+    """Every request from its own thread at once: (each one's streamed tokens, most requests seen running)."""
+    results: list[list[int]] = [[] for _ in work]
+    widest = [0]
+    start = threading.Barrier(len(work))
+
+    def run(i: int) -> None:
+        ids, params = work[i]
+        start.wait()
+        for chunk in engine.stream(ids, params):
+            widest[0] = max(widest[0], engine.scheduler.usage()["running"])
+            results[i].extend(chunk.token_ids)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(work))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, widest[0]
+
+
+def test_a_request_gets_the_same_tokens_alone_and_in_batches_of_2_to_8(engine):
+    work = jobs(engine, 8)
+    alone = [engine.generate(ids, params).token_ids for ids, params in work]
+    assert any(p.stop_words for _, p in work) and any(p.temperature > 0 for _, p in work)
+    for size in (2, 5, 8):
+        together, widest = run_together(engine, work[:size])
+        assert together == alone[:size], size
+        assert widest > 1, "the requests never shared a step"
+    assert engine.scheduler.usage() == {"waiting": 0, "running": 0, "used_blocks": 0}
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(engine):
+    ids = engine.tokenizer(PROMPTS[1]).input_ids
+    hot = SamplingParams(max_tokens=16, temperature=1.3, top_p=0.9, seed=7, end_id=-1)
+    first = engine.generate(ids, hot).token_ids
+    assert engine.generate(ids, hot).token_ids == first
+    seeds = {tuple(engine.generate(ids, SamplingParams(max_tokens=16, temperature=1.3, seed=s, end_id=-1)).token_ids)
+             for s in range(4)}
+    assert len(seeds) > 1
+
+
+def test_prefill_chunks_do_not_change_a_prompts_output(engine_dir, engine):
+    chunked = Engine.from_dir(engine_dir, serving=SchedulerConfig(prefill_chunk=3))
+    for ids, params in jobs(engine, 4):
+        assert chunked.generate(ids, params).token_ids == engine.generate(ids, params).token_ids
+
+
+def test_more_requests_than_blocks_queue_and_complete(tiny_llama_dir, tmp_path, engine):
+    # 8 blocks of 8 tokens: each request's worst case (prompt + max_tokens) takes 3-6 blocks.
+    short = convert_and_build(tiny_llama_dir, tmp_path, max_seq_len=64, max_input_len=24)
+    with pytest.raises(UserError, match="max-num-tokens"):
+        Engine.from_dir(short, serving=SchedulerConfig(cache=CacheBudget(max_num_tokens=32)))
+    small = Engine.from_dir(short, serving=SchedulerConfig(cache=CacheBudget(block_size=8, max_num_tokens=64)))
+    assert small.capacity["kv_cache_tokens"] == 64
+    work = jobs(engine, 6)
+    together, widest = run_together(small, work)
+    assert together == [engine.generate(ids, params).token_ids for ids, params in work]
+    assert 1 <= widest < len(work)
+    assert small.scheduler.usage()["used_blocks"] == 0
+
+
+def test_cancel_finish_and_stop_words_free_their_blocks(engine):
+    ids = engine.tokenizer(PROMPTS[0]).input_ids
+    streams = [engine.stream(ids, SamplingParams(max_tokens=200, end_id=-1)) for _ in range(3)]
+    for s in streams:
+        next(s)
+        next(s)
+    assert engine.scheduler.usage()["used_blocks"] > 0
+    for s in streams:
+        s.close()  # a client that goes away mid-stream
+    done = engine.generate(ids, SamplingParams(max_tokens=40, end_id=-1, stop_words=("e",)))
+    assert done.finish_reason in ("stop", "length")
+    usage = engine.scheduler.usage()
+    assert usage["used_blocks"] == 0 and usage["running"] == 0
+
+
+def test_a_full_queue_answers_busy_and_the_engine_keeps_serving(engine_dir, engine):
+    busy = Engine.from_dir(engine_dir, serving=SchedulerConfig(max_batch_size=1, max_queue=2))
+    ids = engine.tokenizer(PROMPTS[2]).input_ids
+    long = busy.stream(ids, SamplingParams(max_tokens=300, end_id=-1))
+    next(long)  # running: the one row is taken
+    queued = [busy.stream(ids, SamplingParams(max_tokens=4, end_id=-1)) for _ in range(2)]  # submitted now
+    assert busy.scheduler.usage()["waiting"] == 2
+    with pytest.raises(EngineBusy, match="busy"):
+        busy.stream(ids, SamplingParams(max_tokens=4, end_id=-1))
+    long.close()
+    for s in queued:
+        assert len(list(s)[-1].result.token_ids) == 4
+    want = engine.generate(ids, SamplingParams(max_tokens=6, end_id=-1)).token_ids
+    assert busy.generate(ids, SamplingParams(max_tokens=6, end_id=-1)).token_ids == want
+
+
+def test_a_bad_request_is_refused_and_the_batch_around_it_is_unaffected(engine):
+    work = jobs(engine, 4)
+    alone = [engine.generate(ids, params).token_ids for ids, params in work]
+    errors = []
+
+    def bad() -> None:
+        for params in (SamplingParams(temperature=float("nan")), SamplingParams(seed=-1),
+                       SamplingParams(temperature=float("inf"))):
+            with pytest.raises(RequestError) as err:
+                list(engine.stream([1, 2], params))
+            errors.append(str(err.value))
+
+    thread = threading.Thread(target=bad)
+    thread.start()
+    together, _ = run_together(engine, work)
+    thread.join()
+    assert together == alone
+    assert len(errors) == 3 and all(("temperature" in e or "seed" in e) for e in errors)
+
+
+def test_the_device_sampler_draws_from_the_filtered_distribution():
+    """Gumbel-max over hashed uniforms, position by position, matches target_probs (temperature, top-k,
+    top-p) in frequency; greedy rows take the argmax."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 12) * 2
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.5, top_k=4),
+              SamplingParams(temperature=1.0, top_p=0.7)]
+    draws = 20000
+    rows = len(params)
+    counts = torch.zeros(rows, 12)
+    temperature = torch.tensor([p.temperature for p in params])
+    top_k = torch.tensor([p.top_k for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    for position in range(draws):
+        tokens = sample_rows(logits, temperature, top_k, top_p, torch.tensor([1, 2, 3]),
+                             torch.full((rows,), position), filtered=True)
+        counts[torch.arange(rows), tokens] += 1
+    for i, p in enumerate(params):
+        want = target_probs(logits[i:i + 1], p)[0]
+        assert (counts[i] / draws - want).abs().max() < 0.015, (i, counts[i] / draws, want)
+        assert counts[i][want == 0].sum() == 0
+    greedy = sample_rows(logits, torch.zeros(rows), top_k, top_p, torch.tensor([1, 2, 3]), torch.zeros(rows, dtype=torch.long),
+                         filtered=True)
+    assert torch.equal(greedy, logits.argmax(-1))
+
+
+PAGED_KERNEL_CHECK = Path(__file__).with_name("paged_kernel_check.py")
+
+
+def test_the_paged_decode_kernel_matches_the_gathered_attention():
+    """The CUDA kernel under Triton's interpreter on CPU tensors, rows of different lengths and tables."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(PAGED_KERNEL_CHECK)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ok" in done.stdout
