@@ -32,10 +32,10 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from pipeline.engine import fused
 from pipeline.engine.cpu_threads import on_own_thread
 from pipeline.engine.config import EngineLimits, SpecConfig
 from pipeline.engine.graphs import GraphedTarget
+from pipeline.engine.kernels.routing import DRAFT_TOPK_ENV, LEVELS, attach, level
 from pipeline.engine.model import ModelConfig, Transformer
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
@@ -240,8 +240,8 @@ def run_roofline(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
     result: dict[str, Any] = {"shape": cfg.shape, "dtype": str(dtype).removeprefix("torch."),
                               "weight_bytes_per_step": weight_bytes, "bandwidth": bandwidth,
                               "floor_step_ms": 1e3 / floor_tps, "floor_tokens_per_s": floor_tps,
-                              "kv_slots": engine.cache.num_slots, "kernel_layers": fused.attach(model),
-                              "kernels": fused.level() if device.type == "cuda" else "off"}
+                              "kv_slots": engine.cache.num_slots, "kernel_layers": attach(model),
+                              "kernels": level() if device.type == "cuda" else "off"}
     with torch.inference_mode():
         runs = decode_rates(engine, prompt, cfg.decode_tokens, cfg.repeats)
         tps = statistics.median(runs)
@@ -259,13 +259,13 @@ def run_roofline(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
             # What each kernel level buys: the same compiled graphs, re-captured (as many tokens and
             # repeats as the main number: the first prefill's noise once moved 32 tokens 7%)
             result["decode_tokens_per_s_by_kernels"] = {result["kernels"]: tps}
-            for kernels in fused.LEVELS:
+            for kernels in LEVELS:
                 if kernels not in result["decode_tokens_per_s_by_kernels"]:
-                    fused.attach(model, kernels)
+                    attach(model, kernels)
                     engine.graphs = GraphedTarget(model, engine.cache, ())
                     result["decode_tokens_per_s_by_kernels"][kernels] = decode_rate(
                         engine, prompt, cfg.decode_tokens, cfg.repeats)
-            fused.attach(model)
+            attach(model)
             # what compilation buys: the same graphs of uncompiled kernels
             engine.graphs = GraphedTarget(model, engine.cache, (), compile=False)
             result["uncompiled_graph_decode_tokens_per_s"] = decode_rate(engine, prompt, cfg.decode_tokens, cfg.repeats)
@@ -302,7 +302,7 @@ class Method:
 
 # EAGLE-1 drafts get one copy per tree depth at conversion (num_eagle_layers), which bounds the depth.
 EAGLE_DEEP = {"num_eagle_layers": 6}
-UNFUSED_DRAFT_TOPK = {fused.DRAFT_TOPK_ENV: "torch"}
+UNFUSED_DRAFT_TOPK = {DRAFT_TOPK_ENV: "torch"}
 EAGLE3_DEEP = {"dynamic_tree": True, "dynamic_depth": 7, "dynamic_top_k": 10}
 MEDUSA_DYNAMIC = {"dynamic_tree": True, "dynamic_top_k": 32, "max_non_leaves_per_layer": 32}
 VOCAB_TOKENS = "distill/smollm2-sharegpt-42220.npz"  # the drafts' training tokens (the target's greedy replies)
@@ -312,7 +312,7 @@ METHODS: dict[str, Method] = {
     # Portable only: EAGLE-2's selection over the heads' log-probabilities; for these heads a wide tree
     # (a large top-k a head) accepts more than a deep one.
     "medusa-dynamic": Method("medusa", "smollm2-medusa", MEDUSA_DYNAMIC),
-    # The same with its top-k's through torch's ops, beside the default's EAGLE kernels (fused.draft_kernels).
+    # The same with its top-k's through torch's ops, beside the default's EAGLE kernels (drafter_kernels).
     "medusa-dynamic-unfused": Method("medusa", "smollm2-medusa", MEDUSA_DYNAMIC, env=UNFUSED_DRAFT_TOPK),
     # The widest tree a graph replays, top-k 128 a head: the Medusa tree that reaches 2.5 tokens a step
     # (BENCHMARKS.md, drafts' acceptance), slower than plain at 135M.
@@ -322,7 +322,7 @@ METHODS: dict[str, Method] = {
     "eagle-dynamic": Method("eagle", "smollm2-eagle", {"dynamic_tree": True}),
     "eagle-dynamic-deep": Method("eagle", "smollm2-eagle",
                                  {"dynamic_tree": True, "dynamic_depth": 6, "dynamic_top_k": 10}, EAGLE_DEEP),
-    # The drafter's LM head, log-softmax and torch.topk as three ops (fused.DRAFT_TOPK_ENV), beside the
+    # The drafter's LM head, log-softmax and torch.topk as three ops (SPECPIPE_DRAFT_TOPK), beside the
     # default's one kernel.
     "eagle-dynamic-unfused": Method("eagle", "smollm2-eagle", {"dynamic_tree": True}, env=UNFUSED_DRAFT_TOPK),
     # The widest tree a graph replays (MAX_GRAPH_TOKENS): the most acceptance, for 11 draft passes a step.

@@ -19,15 +19,15 @@ from torch import nn
 
 from pipeline.engine.acceptance import Acceptance
 from pipeline.engine.config import DynamicTreeConfig
-from pipeline.engine.fused import draft_topk_fits, small_topk
 from pipeline.engine.graphs import CapturedStep, Compiled, prefill_bucket
+from pipeline.engine.kernels.routing import Drafter
 from pipeline.engine.model import (Attention, DecoderLayer, ForwardContext, KVCache, Linear, MLP, ModelConfig,
                                    RMSNorm, Rotary, full_slot_context, make_context)
 from pipeline.engine.speculative import StepInput, TargetPass
 from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree
 
 
-class EagleNet(nn.Module):
+class EagleNet(Drafter, nn.Module):
     """EAGLE-1/2 draft: fc(concat(embed(token), feature)) -> Llama decoder layers (layer 0 without input norm)."""
 
     def __init__(self, cfg: ModelConfig, fc_bias: bool = True):
@@ -39,8 +39,6 @@ class EagleNet(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, input_norm=i > 0) for i in range(cfg.num_layers))
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        self.draft_topk = None  # fused.attach: the LM head + log-softmax + top-k kernel, where it runs
-        self.row_topk = None  # fused.attach: the small top-k kernel for the tree's candidates, where it runs
 
     def target_features(self, target: TargetPass) -> torch.Tensor:
         return target.hidden
@@ -56,9 +54,9 @@ class EagleNet(nn.Module):
 
     def top_logp(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probabilities, tokens) of each row's k likeliest next tokens, best first."""
-        if self.draft_topk is None or not draft_topk_fits(hidden.shape[0], k):
+        if not self.drafter.lm_head_topk_fits(hidden.shape[0], k):
             return F.log_softmax(self.logits(hidden), dim=-1).topk(k, dim=-1)
-        return self.draft_topk(hidden, self.lm_head.weight, k)
+        return self.drafter.lm_head_topk(hidden, self.lm_head.weight, k)
 
 
 class Eagle3Layer(nn.Module):
@@ -78,7 +76,7 @@ class Eagle3Layer(nn.Module):
         return h + self.mlp(self.post_layernorm(h))
 
 
-class Eagle3Net(nn.Module):
+class Eagle3Net(Drafter, nn.Module):
     """EAGLE-3 draft: fuses three target layers with fc, own final norm, optional reduced vocabulary."""
 
     def __init__(self, cfg: ModelConfig, capture_layers: tuple[int, ...], draft_vocab: int, fc_bias: bool = False):
@@ -95,7 +93,6 @@ class Eagle3Net(nn.Module):
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.identity_vocab = draft_vocab == cfg.vocab_size  # host flag: no data-dependent branch in a graph
         self.rotary = Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        self.draft_topk = self.row_topk = None  # as EagleNet's
 
     def set_d2t(self, d2t: torch.Tensor) -> None:
         self.d2t.copy_(d2t.long())
@@ -120,9 +117,9 @@ class Eagle3Net(nn.Module):
 
     def top_logp(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """As EagleNet's, over the draft vocabulary, its ids mapped to the target's."""
-        if self.draft_topk is None or not draft_topk_fits(hidden.shape[0], k):
+        if not self.drafter.lm_head_topk_fits(hidden.shape[0], k):
             return F.log_softmax(self.logits(hidden), dim=-1).topk(k, dim=-1)
-        logp, ids = self.draft_topk(self.norm(hidden), self.lm_head.weight, k)
+        logp, ids = self.drafter.lm_head_topk(self.norm(hidden), self.lm_head.weight, k)
         return logp, ids + self.d2t[ids]
 
 
@@ -295,4 +292,4 @@ class EagleProposer:
                            torch.cat(cand_scores), self.max_draft_len, cfg.depth, self._topk)
 
     def _topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return small_topk(x, k, self.net.row_topk)
+        return self.net.drafter.topk(x, k)

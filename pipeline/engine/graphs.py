@@ -3,7 +3,7 @@ passes, and an EAGLE drafter's whole step.
 
 A graph replays fixed kernels on fixed addresses, so a captured forward cannot slice the KV cache
 to the current length. The context it gets carries the length as a device tensor instead
-(`model.full_slot_context`): our attention kernel (`fused_kernels.slot_attention`) reads the slots
+(`model.full_slot_context`): our attention kernel (`kernels.attention.slot_attention`) reads the slots
 below it and the step's own region, and without the kernels SDPA reads every slot through a mask
 built from it. Inputs are copied into static buffers
 before each replay; outputs are the graph's static tensors, valid until the next replay of any graph

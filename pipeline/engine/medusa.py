@@ -15,7 +15,7 @@ from torch import nn
 
 from pipeline.engine.acceptance import Acceptance
 from pipeline.engine.config import DynamicTreeConfig
-from pipeline.engine.fused import draft_kernels, draft_topk_fits, small_topk
+from pipeline.engine.kernels.routing import drafter_kernels
 from pipeline.engine.model import SUPPORTED_ACTIVATIONS, Linear
 from pipeline.engine.speculative import StepInput, TargetPass
 from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree
@@ -85,7 +85,7 @@ class MedusaProposer:
         self.hidden = weight.new_zeros(1, weight.shape[1])  # [1, H] hidden state of the last accepted token
         # A dynamic tree's top-k's through EAGLE's kernels where they run (CUDA, half precision): the heads'
         # shared LM head, log-softmax and top-k in one, the frontier's and the selection's in row_topk.
-        self.draft_topk, self.row_topk = draft_kernels(weight)
+        self.drafter = drafter_kernels(weight)
         self.root = torch.zeros(1, dtype=torch.long, device=weight.device)
 
     def start(self, prompt: torch.Tensor, target: TargetPass, first: torch.Tensor) -> None:
@@ -103,12 +103,12 @@ class MedusaProposer:
 
     def top_logp(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[depth, top_k] (log-probabilities, tokens) of each head's likeliest tokens, best first."""
-        if self.draft_topk is None or self.lm_head is None or not draft_topk_fits(len(self.heads), self.top_k):
+        if self.lm_head is None or not self.drafter.lm_head_topk_fits(len(self.heads), self.top_k):
             return F.log_softmax(self.logits().float(), dim=-1).topk(self.top_k, dim=-1)
-        return self.draft_topk(self.features(), self.lm_head.weight, self.top_k)
+        return self.drafter.lm_head_topk(self.features(), self.lm_head.weight, self.top_k)
 
     def _topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return small_topk(x, k, self.row_topk)
+        return self.drafter.topk(x, k)
 
     def guesses(self) -> torch.Tensor:
         """[depth, top_k] token ids: head d's best guesses for the token d+1 places after the root."""

@@ -1,34 +1,38 @@
-#!/usr/bin/env python3
 """Verification passes multiply a few rows (a tree's 8-64 tokens) by every weight matrix: cuBLAS
 against a Triton tensor-core kernel that streams each weight tile once for all rows, on the
-Llama-3-8B shapes, over a sweep of tile sizes. A prototype: the engine adopts it only if it wins.
+Llama-3-8B shapes, over a sweep of tile sizes (a bare kernel of this probe's own).
 
-Each product runs inside one CUDA graph cycling through distinct weight copies (as probe_gemv.py),
+Each product runs inside one CUDA graph cycling through distinct weight copies (as the gemv probe),
 so that no matrix is read from L2. Prints microseconds (GB/s of weights) per shape and row count,
 and the sum over one pass's 129 products for cuBLAS, the best tile per shape and the best single tile.
 
-With --mlp: a tree step's MLP of one layer (gate/up, SiLU-and-multiply, down, residual add) as the engine
-ran it before fused.ROWS_MLP (compiled: cuBLAS, inductor's SiLU, cuBLAS split-K and its reduction) against
-fused_kernels.rows_gemm's two kernels over a sweep of its tiles.
+With --mlp: a tree step's MLP of one layer (gate/up, SiLU-and-multiply, down, residual add) compiled as
+without KernelTuning.rows_mlp (cuBLAS, inductor's SiLU, cuBLAS split-K and its reduction) against rows_gemm's
+two kernels over a sweep of its tiles (rows_gemm_gated_tile, rows_gemm_tile).
+With --layer: a small layer's four products as KernelTuning.rows_layer runs them, over a sweep of the
+rows_small_*_tile tiles.
 
-  python3 build/probe_tree_gemm.py               # on a CUDA machine with Triton (about a minute)
-  python3 build/probe_tree_gemm.py --mlp [--shape smollm2]   # the MLP of a tree step
-  python3 build/probe_tree_gemm.py --layer 64 --shape smollm2  # a small layer's products: their tiles
-  TRITON_INTERPRET=1 python3 build/probe_tree_gemm.py --check    # the kernel's sums on the CPU
+  python -m pipeline.bench.probes.tree_gemm               # on a CUDA machine (about a minute)
+  python -m pipeline.bench.probes.tree_gemm --mlp [--shape smollm2]   # the MLP of a tree step
+  python -m pipeline.bench.probes.tree_gemm --layer 64 --shape smollm2  # a small layer's products: their tiles
+  TRITON_INTERPRET=1 python -m pipeline.bench.probes.tree_gemm --check   # the kernel's sums on the CPU
 """
+
+from __future__ import annotations
+
 import argparse
+import dataclasses
 import itertools
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from pipeline.bench.probes.gemv import COPIES, REPS, SHAPES, cold_copies, timed
+from pipeline.bench.probes.variants import format_variant
+from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 ROWS = (16, 64)  # tree tokens
 # rows (BLOCK_N weight rows a program), columns (BLOCK_K), warps, pipeline stages
@@ -74,8 +78,6 @@ def check() -> None:
 
 
 def main() -> None:
-    from probe_gemv import COPIES, SHAPES, timed
-
     torch.manual_seed(0)
     t0 = time.time()
     for m in ROWS:
@@ -122,13 +124,10 @@ MLP_SHAPES = {"llama3-8b": (4096, 14336, 32), "smollm2": (576, 1536, 30)}  # hid
 
 
 def mlp(shape: str) -> None:
-    from probe_gemv import cold_copies, timed
-
-    from pipeline.engine import fused_kernels
+    from pipeline.engine.kernels.rows import rows_gemm
 
     HIDDEN, INTERMEDIATE, LAYERS = MLP_SHAPES[shape]
     copies = cold_copies(3 * INTERMEDIATE * HIDDEN * 2)
-    engine_tiles = fused_kernels.ROWS_GEMM_GATED_TILE, fused_kernels.ROWS_GEMM_TILE
     torch.manual_seed(0)
     t0 = time.time()
     up = [torch.randn(2 * INTERMEDIATE, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -154,9 +153,9 @@ def mlp(shape: str) -> None:
         for gated in (True, False):
             times = {}
             for tile in MLP_SWEEP:
-                setattr(fused_kernels, "ROWS_GEMM_GATED_TILE" if gated else "ROWS_GEMM_TILE", tile)
-                run = ((lambda i: fused_kernels.rows_gemm(x, up[i % copies], gated=True)) if gated else
-                       (lambda i: fused_kernels.rows_gemm(g, down[i % copies], residual=r)))
+                tuning = dataclasses.replace(DEFAULT_TUNING, **{"rows_gemm_gated_tile" if gated else "rows_gemm_tile": tile})
+                run = ((lambda i, t=tuning: rows_gemm(x, up[i % copies], gated=True, tuning=t)) if gated else
+                       (lambda i, t=tuning: rows_gemm(g, down[i % copies], residual=r, tuning=t)))
                 try:
                     run(0)
                 except triton.runtime.errors.OutOfResources:
@@ -167,38 +166,34 @@ def mlp(shape: str) -> None:
             print(f"  rows_gemm {'gated gate/up' if gated else 'down + residual'}: " + "  ".join(
                 f"{','.join(map(str, c))}: {times[c]:.1f}" for c in top), flush=True)
 
-        def fused_mlp(i: int) -> torch.Tensor:
-            h = fused_kernels.rows_gemm(x, up[i % copies], gated=True)
-            return fused_kernels.rows_gemm(h, down[i % copies], residual=r)
+        def fused_mlp(i: int, tuning: KernelTuning) -> torch.Tensor:
+            h = rows_gemm(x, up[i % copies], gated=True, tuning=tuning)
+            return rows_gemm(h, down[i % copies], residual=r, tuning=tuning)
 
-        for label, tiles in (("best tiles", (best[True], best[False])), ("the engine's tiles", engine_tiles)):
-            fused_kernels.ROWS_GEMM_GATED_TILE, fused_kernels.ROWS_GEMM_TILE = tiles
-            err = ((fused_mlp(0).float() - want).abs().max() / want.abs().max()).item()
-            t_fused = timed(fused_mlp)
+        best_tuning = dataclasses.replace(DEFAULT_TUNING, rows_gemm_gated_tile=best[True], rows_gemm_tile=best[False])
+        for label, tuning in (("best tiles", best_tuning), ("the engine's tiles", DEFAULT_TUNING)):
+            err = ((fused_mlp(0, tuning).float() - want).abs().max() / want.abs().max()).item()
+            t_fused = timed(lambda i, t=tuning: fused_mlp(i, t))
             print(f"  two kernels, {label}: {t_fused:.1f} us a layer against {t_base:.1f} "
                   f"({LAYERS * (t_base - t_fused):+.0f} us a step of {LAYERS} layers); max rel err {err:.1e}", flush=True)
     print(f"probe {time.time() - t0:.0f} s")
 
 
-# fused.ROWS_SMALL_*TILE: BLOCK_M tokens, BLOCK_N outputs, BLOCK_K columns, warps, stages
-# (Session u swept 2 and 4 warps and 2-4 stages on the H200: 2 warps never won, 4 stages did; then 5 stages won
-# inside the EAGLE step, build/probe_eagle_step.py.)
+# KernelTuning.rows_small_*_tile: BLOCK_M tokens, BLOCK_N outputs, BLOCK_K columns, warps, stages
 LAYER_SWEEP = tuple(itertools.product((16, 32, 64), (16, 32, 64), (64, 128), (4,), (2, 3, 4, 5)))
 # --wide-k: tiles that take a row's whole K (SmolLM2's 576; down's 1,536 in 2-6) in one or a few loads, as the
 # single-token GEMV does (BLOCK_K 1024), instead of a pipelined loop of 64- or 128-column steps; the engine's
 # tiles beside them for scale.
 WIDE_K_SWEEP = tuple(itertools.product((16, 64), (16, 32), (256, 512, 1024), (4, 8), (1, 2)))
-TILE_NAMES = {"rope": "ROWS_SMALL_ROPE_TILE", "gated": "ROWS_SMALL_GATED_TILE", "plain": "ROWS_SMALL_TILE"}
+TILE_NAMES = {"rope": "rows_small_rope_tile", "gated": "rows_small_gated_tile", "plain": "rows_small_tile"}
 LAYER_SHAPES = {"smollm2": (576, 1536, 9, 3, 64)}  # hidden, intermediate, heads, kv heads, head size
 
 
 def layer(shape: str, tokens: int, wide_k: bool = False) -> None:
-    """A small layer's four products as fused.several_token_layer runs them, over a sweep of fused's
-    ROWS_SMALL_*TILE: the QKV product with its norm, rotary and cache write; the output product and its residual; the
-    gated gate/up with its norm; down and its residual. cuBLAS's bare product of each for scale."""
-    from probe_gemv import REPS, cold_copies, timed
-
-    from pipeline.engine import fused_kernels
+    """A small layer's four products as several_token_layer runs them, over a sweep of KernelTuning's
+    rows_small_*_tile: the QKV product with its norm, rotary and cache write; the output product and its residual;
+    the gated gate/up with its norm; down and its residual. cuBLAS's bare product of each for scale."""
+    from pipeline.engine.kernels.rows import rows_gemm, rows_rope_store
     from pipeline.engine.model import Rotary
 
     hidden, inter, heads, kv_heads, head = LAYER_SHAPES[shape]
@@ -217,25 +212,25 @@ def layer(shape: str, tokens: int, wide_k: bool = False) -> None:
     positions, slots = torch.arange(100, 100 + tokens, device="cuda"), torch.arange(100, 100 + tokens, device="cuda")
     k_cache, v_cache = (torch.zeros(1, 1, 1024, kv_heads, head, **bf) for _ in range(2))
     runs = {
-        "rope": (lambda w: fused_kernels.rows_rope_store(x, w, g, 1e-5, cos, sin, positions, slots, k_cache, v_cache,
-                                                         0, heads), "rope", x),
-        "output": (lambda w: fused_kernels.rows_gemm(att, w, residual=r), "plain", att),
-        "gated": (lambda w: fused_kernels.rows_gemm(x, w, gated=True, norm=g, eps=1e-5), "gated", x),
-        "down": (lambda w: fused_kernels.rows_gemm(h, w, residual=r), "plain", h)}
+        "rope": (lambda w, t: rows_rope_store(x, w, g, 1e-5, cos, sin, positions, slots, k_cache, v_cache, 0, heads,
+                                              tuning=t), "rope", x),
+        "output": (lambda w, t: rows_gemm(att, w, residual=r, tuning=t), "plain", att),
+        "gated": (lambda w, t: rows_gemm(x, w, gated=True, norm=g, eps=1e-5, tuning=t), "gated", x),
+        "down": (lambda w, t: rows_gemm(h, w, residual=r, tuning=t), "plain", h)}
     best_sum, per_tile = 0.0, {}
-    engine_tiles = {getattr(fused_kernels, name) for name in TILE_NAMES.values()}
+    engine_tiles = {getattr(DEFAULT_TUNING, name) for name in TILE_NAMES.values()}
     sweep = (*sorted(engine_tiles), *WIDE_K_SWEEP) if wide_k else LAYER_SWEEP
     for name, (run, kind, inp) in runs.items():
         n_copies, reps = copies[name], max(REPS, copies[name])
         t_cublas = timed(lambda i: F.linear(inp, ws[name][i % n_copies]), reps)
         times = {}
         for tile in sweep:
-            setattr(fused_kernels, TILE_NAMES[kind], tile)
+            tuning = dataclasses.replace(DEFAULT_TUNING, **{TILE_NAMES[kind]: tile})
             try:
-                run(ws[name][0])
+                run(ws[name][0], tuning)
             except triton.runtime.errors.OutOfResources:
                 continue
-            times[tile] = timed(lambda i: run(ws[name][i % n_copies]), reps)
+            times[tile] = timed(lambda i, t=tuning: run(ws[name][i % n_copies], t), reps)
             per_tile.setdefault(kind, {}).setdefault(tile, 0.0)
             per_tile[kind][tile] += times[tile]
         top = sorted(times, key=times.get)[:6]
@@ -245,8 +240,8 @@ def layer(shape: str, tokens: int, wide_k: bool = False) -> None:
     best = {kind: min(tiles, key=tiles.get) for kind, tiles in per_tile.items()}
     for kind, tile in best.items():
         print(f"best {kind} tile over its products: {tile} {per_tile[kind][tile]:.1f} us")
-    print("as a build/probe_ab.py variant: " + ",".join(
-        f"fused_kernels.{TILE_NAMES[kind]}={'/'.join(map(str, tile))}" for kind, tile in best.items()))
+    best_tuning = dataclasses.replace(DEFAULT_TUNING, **{TILE_NAMES[kind]: tile for kind, tile in best.items()})
+    print(f"as an eagle_step variant: {format_variant(best_tuning)}")
     print(f"{tokens} tokens: best tiles {best_sum:.1f} us a layer; probe {time.time() - t0:.0f} s")
 
 
@@ -255,7 +250,7 @@ if __name__ == "__main__":
     ap.add_argument("--check", action="store_true", help="check the kernel's sums (CPU, TRITON_INTERPRET=1)")
     ap.add_argument("--mlp", action="store_true", help="a tree step's MLP: cuBLAS and inductor against rows_gemm")
     ap.add_argument("--layer", type=int, metavar="TOKENS", help="a small layer's products (--shape smollm2) over a "
-                    "sweep of fused.ROWS_SMALL_*TILE, for TOKENS rows")
+                    "sweep of KernelTuning.rows_small_*_tile, for TOKENS rows")
     ap.add_argument("--wide-k", action="store_true", help="with --layer: sweep tiles of 256-1,024 columns "
                     "(WIDE_K_SWEEP) beside the engine's")
     ap.add_argument("--shape", default="llama3-8b", choices=sorted({*MLP_SHAPES, *LAYER_SHAPES}),

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Batch-1 products of the Llama-3-8B (or SmolLM2) shapes on CUDA: cuBLAS against the engine's Triton GEMV
 kernel (plain, with the fused RMS norm, with the fused residual add) over a sweep of block sizes.
 
@@ -7,21 +6,21 @@ repeating one matrix lets the smaller ones (QKV 50 MB, output 34 MB) sit in the 
 faster than memory, which once made a configuration look best that is slow in a real decode step.
 Prints microseconds and GB/s per shape and variant, and the sum over the products of one token.
 
-  python3 build/probe_gemv.py [--shape smollm2]   # on a CUDA machine with Triton (about 15 s on an H200)
+  python -m pipeline.bench.probes.gemv [--shape smollm2]   # on a CUDA machine (about 15 s on an H200)
 """
+
+from __future__ import annotations
+
 import argparse
-import sys
 import time
-from pathlib import Path
+from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
+import triton
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-
-from pipeline.engine.fused import BLOCK_K, BLOCK_ROWS, NUM_WARPS  # noqa: E402
-from pipeline.engine.fused_kernels import _gemv_kernel  # noqa: E402
+from pipeline.engine.kernels.gemv import _gemv_kernel
+from pipeline.engine.kernels.tuning import DEFAULT_TUNING
 
 # name: (rows, columns, products per token, the variant a fused decoder layer uses)
 SHAPES = {"qkv": (6144, 4096, 32, "norm"), "o": (4096, 4096, 32, "residual"),
@@ -34,17 +33,12 @@ MODEL_SHAPES = {"llama3-8b": SHAPES,
 SWEEP = ((8, 1024, 8), (16, 1024, 8), (4, 1024, 4), (1, 1024, 4), (2, 1024, 4), (8, 512, 8))  # rows, columns, warps
 COPIES = 6
 REPS = 4 * COPIES
-# A real step reads SmolLM2's 270 MB of weights from memory; cycling 6 copies of its 0.7-3.5 MB matrices kept them
-# in the H200's 60 MB L2 and chose session t's tree tiles on that (BENCHMARKS §2 (u)).
+# A real step reads its weights from memory: a timed graph cycles through enough copies of a matrix that each
+# comes from memory, not from L2 (a few copies of SmolLM2's 0.7-3.5 MB matrices would sit in an H200's L2).
 COLD_L2_MULTIPLE = 3
+TIMED_REPLAYS = 5
+MAX_REL_ERR = 2e-2  # bf16 products against float32
 EPS = 1e-5
-
-
-def probe_device(doc: str) -> torch.device:
-    """A probe's --device: cuda to time, or cpu (under TRITON_INTERPRET=1) to check correctness only."""
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    ap.add_argument("--device", default="cuda")
-    return torch.device(ap.parse_args().device)
 
 
 def cold_copies(nbytes: int) -> int:
@@ -54,7 +48,7 @@ def cold_copies(nbytes: int) -> int:
     return max(2, -(-COLD_L2_MULTIPLE * l2 // nbytes))
 
 
-def timed(fn, reps: int = REPS) -> float:
+def timed(fn: Callable[[int], object], reps: int = REPS) -> float:
     """Median microseconds of fn(i) over one graph of `reps` calls."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -69,7 +63,7 @@ def timed(fn, reps: int = REPS) -> float:
     graph.replay()
     torch.cuda.synchronize()
     times = []
-    for _ in range(5):
+    for _ in range(TIMED_REPLAYS):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record(); graph.replay(); b.record(); torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / reps * 1e3)
@@ -80,7 +74,8 @@ def main(shape: str) -> None:
     torch.manual_seed(0)
     totals = {"cublas": 0.0, "triton": 0.0, "fused": 0.0}
     t0 = time.time()
-    print(f"engine config {(BLOCK_ROWS, BLOCK_K, NUM_WARPS)}; rows,columns,warps: us (GB/s)")
+    engine = (DEFAULT_TUNING.block_rows, DEFAULT_TUNING.block_k, DEFAULT_TUNING.num_warps)
+    print(f"engine config {engine}; rows,columns,warps: us (GB/s)")
     for name, (n, k, per_token, variant) in MODEL_SHAPES[shape].items():
         copies = cold_copies(n * k * 2)
         reps = max(REPS, copies)  # a graph's calls read every copy once: fewer would leave the small ones in L2
@@ -107,14 +102,13 @@ def main(shape: str) -> None:
                 if not fused:
                     run(0)
                     err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                    assert err < 2e-2, (name, rows, cols, warps, err)
+                    assert err < MAX_REL_ERR, (name, rows, cols, warps, err)
                 results[(fused, rows, cols, warps)] = timed(run, reps)
         for fused in (False, True):
             row = {key[1:]: t for key, t in results.items() if key[0] == fused}
             if row:
                 line += f"\n  {variant if fused else 'plain':<9}" + "  ".join(
                     f"{c[0]},{c[1]},{c[2]}: {t:6.1f} ({gbs(t):4.0f})" for c, t in row.items())
-        engine = (BLOCK_ROWS, BLOCK_K, NUM_WARPS)
         totals["cublas"] += per_token * t_cublas
         totals["triton"] += per_token * results[(False, *engine)]
         totals["fused"] += per_token * results.get((True, *engine), results[(False, *engine)])

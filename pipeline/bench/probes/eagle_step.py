@@ -1,44 +1,43 @@
-#!/usr/bin/env python3
 """The EAGLE dynamic step on random bf16 weights, A/B by kernel settings, on CUDA (EAGLE-2 or EAGLE-3 drafter).
 
 A dynamic tree always keeps max_draft_len nodes and the catch-up always runs max_depth + 1 pairs, so a
 step's kernels, and its time, do not depend on the weights: random ones measure what the trained draft's
-step costs, with no model to carry. Each variant (build/probe_ab.py's MODULE.NAME=VALUE syntax) gets its
-own engines, compiled and captured under its settings; then requests of --tokens tokens after a
+step costs, with no model to carry. Each variant (a KernelTuning: "base" or FIELD=VALUE,...) gets its
+own engines, compiled and captured under its tuning; then requests of --tokens tokens after a
 --prompt-token prompt run round by round, variants interleaved, each beside a plain engine of the same
 target. Printed per variant: ms a decode step ((request - 1-token request) / steps), the plain engine's
 ms a token, and the tokens/s and × plain these give at --acceptance tokens a step (the trained draft's
 on MT-bench; the real bench measures it). --profile adds, per variant, one profiled request: kernels,
 device-busy and launch-gap microseconds a step, and the kernels by time.
 
-  python3 build/probe_eagle_step.py base fused_kernels.TREE_MIN_BLOCKS_PER_SPLIT=16 --profile
-  python3 build/probe_eagle_step.py base --shape llama3-8b --draft eagle3 --draft-vocab 32000
-  python3 build/probe_eagle_step.py base --device cpu --shape tiny --tokens 16 --rounds 1   # smoke test
+  python -m pipeline.bench.probes.eagle_step base tree_min_blocks_per_split=16 --profile
+  python -m pipeline.bench.probes.eagle_step base --shape llama3-8b --draft eagle3 --draft-vocab 32000
+  python -m pipeline.bench.probes.eagle_step base --device cpu --shape tiny --tokens 16 --rounds 1   # smoke test
 """
+
+from __future__ import annotations
+
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+from pipeline.bench.probes.variants import HELP, parse_variant
+from pipeline.bench.speed import SEED, SHAPES, _IdsOnly, random_model
+from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig
+from pipeline.engine.eagle import Eagle3Net, EagleNet, EagleProposer
+from pipeline.engine.kernels.routing import attach
+from pipeline.engine.kernels.tuning import KernelTuning
+from pipeline.engine.loader import eagle3_capture_layers
+from pipeline.engine.request import SamplingParams
+from pipeline.engine.runner import Engine, prepare_kernels
 
-from probe_ab import variant_settings  # noqa: E402
-from pipeline.bench.speed import SEED, SHAPES, _IdsOnly, random_model  # noqa: E402
-from pipeline.engine import fused  # noqa: E402
-from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig  # noqa: E402
-from pipeline.engine.eagle import Eagle3Net, EagleNet, EagleProposer  # noqa: E402
-from pipeline.engine.loader import eagle3_capture_layers  # noqa: E402
-from pipeline.engine.request import SamplingParams  # noqa: E402
-from pipeline.engine.runner import Engine, prepare_kernels  # noqa: E402
-
-# The trained EAGLE-2 draft on all 80 MT-bench first turns, bf16, depth 4 / top-k 8 / 63 nodes (BENCHMARKS §2 (r)).
+# The trained EAGLE-2 draft's tokens a step on all 80 MT-bench first turns, bf16, depth 4 / top-k 8 / 63 nodes.
 TRAINED_ACCEPTANCE = 3.326
 STEP_GAP_US = 50.0  # a device gap longer than this is the host's (a read-back, a new request), not a launch's
 ROWS = 30
@@ -103,7 +102,7 @@ def profile_steps(engine: Engine, prompt: list[int], tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("variants", nargs="+", help='"base" or MODULE.NAME=VALUE[,MODULE.NAME=VALUE...]')
+    ap.add_argument("variants", nargs="+", help=HELP)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
     ap.add_argument("--rounds", type=int, default=6)
@@ -121,7 +120,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also write the timings and profiles here")
     args = ap.parse_args()
-    variants, apply = variant_settings(args.variants)
+    try:
+        variants = {name: parse_variant(name) for name in args.variants}
+    except ValueError as exc:
+        ap.error(str(exc))
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -129,8 +131,15 @@ def main() -> None:
     if args.draft_vocab and (args.draft != "eagle3" or not 0 < args.draft_vocab <= shape.vocab_size):
         ap.error(f"--draft-vocab {args.draft_vocab}: needs --draft eagle3 and at most {shape.vocab_size} tokens")
     target = random_model(shape, device, dtype)
-    # Attached again under each variant's settings.
+    # Both attached again under each variant's tuning (use).
     drafter = random_drafter(shape, device, dtype, args.draft, args.draft_vocab)
+
+    def use(tuning: KernelTuning) -> None:
+        """Route the target and the drafter through the kernels with `tuning` (CUDA; the CPU keeps oneDNN)."""
+        if device.type == "cuda":
+            attach(target, tuning=tuning)
+            attach(drafter, tuning=tuning)
+
     prompt = torch.randint(shape.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     slots = max(args.max_seq_len, args.prompt_tokens + args.tokens + 1)
     spec = SpecConfig(mode="eagle", max_draft_len=args.nodes,
@@ -139,14 +148,13 @@ def main() -> None:
     limits = EngineLimits(1, args.prompt_tokens, slots, args.nodes)
     engines: dict[str, tuple[Engine, Engine]] = {}
     with torch.inference_mode():
-        for name, settings in variants.items():
-            apply(settings)
+        for name, tuning in variants.items():
             start = time.time()
-            if device.type == "cuda":
-                fused.attach(drafter)
+            use(tuning)
             proposer = EagleProposer(drafter, slots, None, spec.dynamic_tree, args.nodes)
             eagle = Engine(target, _IdsOnly(), limits, spec, proposer)
             plain = Engine(target, _IdsOnly(), EngineLimits(1, args.prompt_tokens, slots, 0), SpecConfig())
+            use(tuning)  # an Engine attaches its target with the default tuning; its graphs are captured below
             for engine in (eagle, plain):
                 engine.warm_up()
                 engine.generate(prompt, SamplingParams(max_tokens=args.tokens, end_id=-1))
@@ -155,7 +163,7 @@ def main() -> None:
         runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in variants}
         for r in range(args.rounds):
             for name in (args.variants if r % 2 == 0 else args.variants[::-1]):
-                apply(variants[name])
+                use(variants[name])
                 eagle, plain = engines[name]
                 step, first = decode_ms(eagle, prompt, args.tokens)
                 plain_step, _ = decode_ms(plain, prompt, args.tokens)
@@ -163,7 +171,7 @@ def main() -> None:
         profiles = {}
         if args.profile and device.type == "cuda":
             for name in args.variants:
-                apply(variants[name])
+                use(variants[name])
                 profiles[name] = profile_steps(engines[name][0], prompt, args.tokens)
                 if name == args.variants[0]:
                     profiles["plain"] = profile_steps(engines[name][1], prompt, args.tokens)

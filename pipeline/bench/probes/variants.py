@@ -1,0 +1,48 @@
+"""Kernel tuning variants from the command line: "base" (the engine's KernelTuning) or FIELD=VALUE pairs
+joined by commas, e.g. `rope_in_gemv=0,block_rows=16` or `rows_small_tile=64/16/128/4/5` (a tuple)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
+
+BASE = "base"
+HELP = f'"{BASE}" or FIELD=VALUE[,FIELD=VALUE...] of KernelTuning (a tuple as 64/16/128/4/5)'
+
+
+def parse_value(text: str, current: object) -> object:
+    """A field's value in the type of its current one: 0/1 or false/true for flags, a/b/c for tuples."""
+    if isinstance(current, bool):
+        if text.lower() not in ("0", "1", "false", "true"):
+            raise ValueError(f"{text!r}: a flag takes 0, 1, false or true")
+        return text.lower() in ("1", "true")
+    if isinstance(current, tuple):
+        return tuple(int(part) for part in text.split("/"))
+    return type(current)(text)
+
+
+def parse_variant(variant: str, base: KernelTuning = DEFAULT_TUNING) -> KernelTuning:
+    """The tuning a variant names (see the module's docstring); raises ValueError with the fields on a bad one."""
+    if variant == BASE:
+        return base
+    fields = {f.name for f in dataclasses.fields(KernelTuning)}
+    changes = {}
+    for item in variant.split(","):
+        name, _, value = item.partition("=")
+        if name not in fields or not value:
+            raise ValueError(f"{item!r}: write FIELD=VALUE with FIELD one of {', '.join(sorted(fields))}")
+        changes[name] = parse_value(value, getattr(base, name))
+    return dataclasses.replace(base, **changes)
+
+
+def format_variant(tuning: KernelTuning, base: KernelTuning = DEFAULT_TUNING) -> str:
+    """The variant that parse_variant reads back as `tuning`."""
+    changed = [f.name for f in dataclasses.fields(KernelTuning) if getattr(tuning, f.name) != getattr(base, f.name)]
+    if not changed:
+        return BASE
+
+    def text(value: object) -> str:
+        return "/".join(map(str, value)) if isinstance(value, tuple) else str(int(value) if isinstance(value, bool) else value)
+
+    return ",".join(f"{name}={text(getattr(tuning, name))}" for name in changed)
