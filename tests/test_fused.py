@@ -1,4 +1,4 @@
-"""The CUDA single-token kernels (engine/fused_kernels.py), run on CPU tensors by Triton's interpreter."""
+"""Our Triton kernels (engine/kernels/) and their routing, the kernels run on CPU tensors by Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -7,322 +7,19 @@ import importlib.util
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline.engine import fused
+from pipeline.bench.probes import check_kernels
+from pipeline.engine.kernels import routing
+from pipeline.engine.kernels.routing import TORCH_TOPK, DrafterKernels
+from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
 from pipeline.engine.model import Linear, ModelConfig, Transformer
 from pipeline.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
-
-CHECK = textwrap.dedent("""
-    import dataclasses
-    import os
-    import torch
-    import torch.nn.functional as F
-    from pipeline.engine import fused
-    from pipeline.engine.fused_kernels import gemv, gemv_rope_store, rope_store, slot_attention
-    from pipeline.engine.model import (KVCache, Linear, ModelConfig, Rotary, Transformer, full_slot_context,
-                                       make_context)
-
-    torch.manual_seed(0)
-    torch.set_grad_enabled(False)  # the engine never takes gradients; the ops have no backward
-    device = os.environ["CHECK_DEVICE"]  # cpu: under Triton's interpreter
-    torch.set_default_device(device)
-
-    def close(got, want, tol):
-        err = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
-        assert err < tol, err
-
-    # GEMV: row counts and widths off the block sizes (8 rows, 512 columns) exercise the masks.
-    for n, k, dtype, tol in ((100, 300, torch.bfloat16, 1e-2), (37, 1030, torch.float16, 1e-3),
-                             (16, 1024, torch.float32, 1e-6)):
-        w, x, r = torch.randn(n, k, dtype=dtype), torch.randn(k, dtype=dtype), torch.randn(n, dtype=dtype)
-        close(gemv(x, w), w.double() @ x.double(), tol)
-        close(gemv(x, w, residual=r), w.double() @ x.double() + r.double(), tol)
-        if n % 2 == 0:  # gated: fc rows over gate rows, SiLU(fc x) * (gate x)
-            fc, gate = (w.double() @ x.double()).chunk(2)
-            close(gemv(x, w, gated=True), F.silu(fc) * gate, tol)
-    # The fused prologue and epilogues against the unfused layer's own ops. Looser: the interpreter
-    # truncates each float32 -> bf16 cast where the GPU rounds to nearest, and the norm rounds twice.
-    norm = Transformer(ModelConfig(64, 40, 1, 2, 1, 20, 24, 1e-5, 1e4, None, 64)).layers[0].input_layernorm
-    norm = norm.to(torch.bfloat16)
-    norm.weight.normal_()
-    x, w2 = torch.randn(40, dtype=torch.bfloat16), torch.randn(2 * 24, 40, dtype=torch.bfloat16)
-    close(gemv(x, w2, norm.weight, norm.eps), F.linear(norm(x), w2), 4e-2)
-    # The QKV GEMV with rotary and the cache write as its epilogue against the two kernels it replaces,
-    # which round the same way: the same cache (other rows and slots stay zero). Bit for bit under the
-    # interpreter; on the H200 a row's float32 sum may run in another order, one bf16 unit apart (5 of 640 values).
-    for heads, kv_heads, dim, k in ((6, 2, 16, 40), (4, 2, 64, 1100), (2, 1, 4, 24)):  # a head narrower than a block
-        w = torch.randn((heads + 2 * kv_heads) * dim, k, dtype=torch.bfloat16)
-        x, g = torch.randn(k, dtype=torch.bfloat16), torch.randn(k, dtype=torch.bfloat16)
-        rotary = Rotary(dim, 1e4, None, 64)
-        want_k, want_v, got_k, got_v = (torch.zeros(2, 2, 10, kv_heads, dim, dtype=torch.bfloat16) for _ in range(4))
-        rope_args = rotary.cos, rotary.sin, torch.tensor([37]), torch.tensor([6])  # RoPE position, cache slot
-        want = rope_store(gemv(x, w, g, 1e-5), *rope_args, want_k, want_v, 1, heads)
-        close(gemv_rope_store(x, w, g, 1e-5, *rope_args, got_k, got_v, 1, heads), want, 1e-2)
-        assert want_k[1, 0, 6].any() and torch.equal(got_v, want_v)
-        close(got_k, want_k, 1e-2)
-
-    # Tree steps' MLP products: rows, outputs and columns off the tiles (16-64 rows; 64 outputs by 64
-    # columns gated, 32 by 256 plain), more rows than one tile; the layer's two kernels against its
-    # unfused MLP. Triton's
-    # interpreter multiplies bf16 tiles as raw integers (see the attention below): float32 on the CPU.
-    from pipeline.engine.fused_kernels import rows_gemm
-    half = torch.bfloat16 if device == "cuda" else torch.float32
-    tol = 1e-2 if device == "cuda" else 1e-5
-    for m, n, k in ((3, 40, 70), (16, 64, 300), (37, 96, 128), (70, 20, 40)):
-        x, w, r = torch.randn(m, k, dtype=half), torch.randn(n, k, dtype=half), torch.randn(m, n, dtype=half)
-        want = x.double() @ w.double().T
-        close(rows_gemm(x, w), want, tol)
-        close(rows_gemm(x, w, residual=r), want + r.double(), tol)
-        fc, gate = want.chunk(2, dim=1)
-        close(rows_gemm(x, w, gated=True), F.silu(fc) * gate, tol)
-    # The norm inside the products: against RMSNorm then the product, gated and not.
-    norm = Transformer(ModelConfig(64, 300, 1, 2, 1, 20, 24, 1e-5, 1e4, None, 64)).layers[0].input_layernorm.to(half)
-    norm.weight.normal_()
-    for m, n in ((5, 48), (37, 96)):
-        x, w = torch.randn(m, 300, dtype=half), torch.randn(n, 300, dtype=half)
-        want = F.linear(norm(x).double(), w.double())
-        close(rows_gemm(x, w, norm=norm.weight, eps=norm.eps), want, 4 * tol)
-        fc, gate = want.chunk(2, dim=1)
-        close(rows_gemm(x, w, gated=True, norm=norm.weight, eps=norm.eps), F.silu(fc) * gate, 4 * tol)
-    # The QKV product of several tokens with the norm, rotary and the cache write inside, against the
-    # single-token kernels token by token: q and the cache (other slots stay zero).
-    from pipeline.engine.fused_kernels import rows_rope_store
-    for heads, kv_heads, dim, k, m in ((6, 2, 16, 40, 5), (4, 2, 64, 300, 19)):
-        w = torch.randn((heads + 2 * kv_heads) * dim, k, dtype=half)
-        x, g = torch.randn(m, k, dtype=half), torch.randn(k, dtype=half)
-        rotary = Rotary(dim, 1e4, None, 64)
-        positions, slots = torch.randint(64, (m,)), torch.randperm(30)[:m]
-        want_k, want_v, got_k, got_v = (torch.zeros(2, 2, 30, kv_heads, dim, dtype=half) for _ in range(4))
-        want = torch.stack([rope_store(gemv(x[t], w, g, 1e-5), rotary.cos, rotary.sin, positions[t:t + 1],
-                                       slots[t:t + 1], want_k, want_v, 1, heads) for t in range(m)])
-        got = rows_rope_store(x, w, g, 1e-5, rotary.cos, rotary.sin, positions, slots, got_k, got_v, 1, heads)
-        close(got, want, 4 * tol)
-        assert want_k[1, 0, slots].any() and not got_k[0].any() and not got_k[1, 1].any()
-        close(got_k, want_k, 4 * tol)
-        close(got_v, want_v, 4 * tol)
-    # A decoder layer's step of several tokens, its MLP through the two kernels, against the unfused layer.
-    layer = Transformer(ModelConfig(64, 40, 1, 2, 1, 20, 24, 1e-5, 1e4, None, 64)).layers[0].to(half)
-    for p in layer.parameters():
-        p.normal_(0, 0.3)
-    x = torch.randn(1, 5, 40, dtype=half)
-    close(fused.several_token_mlp(layer, x), x + layer.mlp(layer.post_layernorm(x)), 4 * tol)
-
-    lin = Linear(64, 24, bias=True).to(torch.bfloat16)
-    fused.attach(lin, "gemv", (device,))
-    one, many = torch.randn(1, 1, 64, dtype=torch.bfloat16), torch.randn(1, 3, 64, dtype=torch.bfloat16)
-    close(lin(one), F.linear(one.double(), lin.weight.double(), lin.bias.double()), 2e-2)
-    assert torch.equal(lin(many), F.linear(many, lin.weight, lin.bias))  # trees stay on the library GEMM
-
-    # Attention: a strided cache (slots x kv heads x dims), groups of 3, 4 and 1, texts of one chunk
-    # and of several splits' worth, a text far shorter than the cache. Single tokens see every slot up to their own...
-    from pipeline.engine import fused_kernels
-    fused_kernels.ONE_TOKEN_TILES = False  # first the CUDA-core kernel
-    for heads, kv_heads, dim, slots, slot in ((6, 2, 16, 40, 39), (8, 2, 32, 150, 96), (4, 4, 64, 300, 0),
-                                              (6, 2, 16, 1100, 1042), (6, 2, 16, 1100, 40), (6, 2, 16, 40, 5)):
-        q = torch.randn(1, heads, dim, dtype=torch.bfloat16)
-        cache = torch.randn(2, slots, kv_heads, dim, dtype=torch.bfloat16)
-        k, v = cache[0], cache[1]
-        want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k[:slot + 1].transpose(0, 1)[None].float(),
-                                              v[:slot + 1].transpose(0, 1)[None].float(), enable_gqa=True)[0]
-        close(slot_attention(q, k, v, torch.tensor([slot]), None), want.transpose(0, 1), 2e-2)
-    # ... and the same through the several tokens' tensor-core tiles (ONE_TOKEN_TILES, the engine's way;
-    # float32 on the CPU, see below). The CPU runs the rest of this check's bf16 models on the CUDA cores.
-    for heads, kv_heads, dim, slots, slot in ((6, 2, 16, 40, 39), (9, 3, 64, 1100, 400), (4, 4, 64, 300, 0)):
-        q, cache = torch.randn(1, heads, dim, dtype=half), torch.randn(2, slots, kv_heads, dim, dtype=half)
-        k, v = cache[0], cache[1]
-        seen = [t[:slot + 1].transpose(0, 1)[None].float() for t in (k, v)]
-        want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), *seen, enable_gqa=True)[0]
-        for tiles in (True, False):
-            fused_kernels.ONE_TOKEN_TILES = tiles
-            close(slot_attention(q, k, v, torch.tensor([slot]), None), want.transpose(0, 1), 2 * tol)
-    fused_kernels.ONE_TOKEN_TILES = device == "cuda"
-    # ... tree tokens see the text and what their row of the region allows, through tensor-core tiles
-    # (a single token with a wider region, an EAGLE level of one node, stays on CUDA cores).
-    # Triton's interpreter multiplies bf16 tiles as raw integers, so on the CPU only float32 runs.
-    for heads, kv_heads, dim, slots, length, tokens, region, dtype in (
-            (6, 2, 16, 300, 97, 5, 7, half), (8, 2, 32, 1100, 1040, 12, 12, torch.float32),
-            (4, 4, 64, 64, 0, 3, 3, half), (9, 3, 64, 2000, 33, 64, 64, torch.float32), (32, 8, 128, 322, 128, 64, 64, half),
-            (6, 2, 16, 300, 97, 1, 5, half), (4, 4, 64, 1100, 1040, 1, 9, torch.float32)):  # one draft node
-        q = torch.randn(tokens, heads + 2, dim, dtype=dtype)[:, 1:heads + 1]  # a QKV view, as in the engine
-        cache = torch.randn(2, slots, kv_heads, dim, dtype=dtype)
-        k, v = cache[0], cache[1]
-        rows = torch.rand(tokens, region) < 0.4
-        rows[torch.arange(tokens), torch.arange(tokens)] = True  # a token always sees itself
-        ctx = full_slot_context(KVCache(k, v), None, torch.tensor(length), torch.zeros(tokens), torch.zeros(tokens),
-                                rows, torch.arange(slots))
-        want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k.transpose(0, 1)[None].float(),
-                                              v.transpose(0, 1)[None].float(), attn_mask=ctx.mask[0], enable_gqa=True)[0]
-        close(slot_attention(q, k, v, torch.tensor(length), rows), want.transpose(0, 1), 2e-2)
-    # A region row that hides a split's whole span (slots 1056-1087), against scores all near -160: the
-    # hidden span must not lend the merge a peak that underflows every other span's weight.
-    q = torch.full((1, 4, 64), 20.0)
-    k, v = -0.5 - torch.rand(1100, 4, 64), torch.randn(1100, 4, 64)
-    rows = torch.ones(1, 48, dtype=torch.bool)
-    rows[0, 16:] = False
-    seen = torch.cat([torch.ones(1040, dtype=torch.bool), rows[0], torch.zeros(12, dtype=torch.bool)])
-    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                          attn_mask=seen[None])[0]
-    close(slot_attention(q, k, v, torch.tensor(1040), rows), want.transpose(0, 1), 1e-4)
-
-    # A whole model: single-token steps fused against the unfused layers, eagerly (limit None)
-    # and the way the CUDA graphs call it (full cache, device limit).
-    cfg = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=6, num_kv_heads=2, head_size=16,
-                      intermediate_size=96, norm_epsilon=1e-5, rope_theta=1e4, rope_scaling=None,
-                      max_position_embeddings=128)
-    model = Transformer(cfg).to(torch.bfloat16)
-    for p in model.parameters():
-        p.normal_(0, 0.3)
-    assert fused.attach(model, "fused", (device,)) == {"gemv_layers": 2 * 4 + 1, "fused_layers": 2,
-                                                       "attention_layers": 2, "draft_topk": 0}
-    cache = model.new_cache(80)
-    prompt = torch.randint(97, (1, 70), device=device)
-    model(prompt, make_context(cache, model.rotary, 0, torch.arange(70), None))
-    token = torch.tensor([[5]])
-    contexts = {"eager": make_context(cache, model.rotary, 70, torch.tensor([70]), None),
-                "graph": full_slot_context(cache, model.rotary, torch.tensor(70), torch.tensor([70]),
-                                           torch.tensor([70]), torch.ones(1, 1, dtype=torch.bool),
-                                           torch.arange(80))}
-    for rope_in_gemv in (False, True):  # rotary and the cache write after the QKV GEMV, then in it (the default)
-        fused.ROPE_IN_GEMV = rope_in_gemv
-        for name, ctx in contexts.items():
-            cache.k[:, 0, 70] = cache.v[:, 0, 70] = 0  # what the fused step leaves there is its own write
-            got, _ = model(token, ctx)
-            written = cache.k[:, 0, 70].clone(), cache.v[:, 0, 70].clone()  # the fused rotary's cache write
-            fused.attach(model, "gemv", (device,))
-            want, _ = model(token, ctx)
-            fused.attach(model, "fused", (device,))
-            close(got, want, 4e-2)  # as loose as the norm above: two bf16 residual sums and a norm apart
-            close(written[0], cache.k[:, 0, 70], 3e-2)
-            close(written[1], cache.v[:, 0, 70], 3e-2)
-        step = torch.compile(lambda t: model(t, contexts["graph"])[0], fullgraph=True)  # as the engine's graphs trace it
-        close(step(token), want, 3e-2)
-    fused.GATED_GEMV = True  # SiLU-and-multiply inside the fc_gate GEMV: the same step
-    close(model(token, contexts["graph"])[0], want, 4e-2)
-    fused.GATED_GEMV = False
-    # A tree step as the graphs run it: the slot-attention kernel against SDPA over the masked cache
-    # (in float32 on the CPU, as above).
-    model = model.to(half)
-    cache = model.new_cache(80)
-    model(prompt, make_context(cache, model.rotary, 0, torch.arange(70), None))
-    rows = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    ctx = full_slot_context(cache, model.rotary, torch.tensor(70), torch.tensor([70, 71, 71, 72]), torch.arange(70, 74),
-                            rows, torch.arange(80))
-    got, _ = model(torch.tensor([[1, 2, 3, 4]]), ctx)
-    fused.attach(model, "off", (device,))
-    want, _ = model(torch.tensor([[1, 2, 3, 4]]), ctx)
-    close(got, want, 3e-2)
-    # ... and a small layer's tree step whole through the kernels (several_token_layer: the norms, rotary
-    # and the cache write inside the products) against the unfused layer: its output and cache writes.
-    x = torch.randn(1, 4, 64, dtype=half)
-    got = fused.several_token_layer(model.layers[1], x, ctx, 1)
-    written = cache.k[1, 0, 70:74].clone(), cache.v[1, 0, 70:74].clone()
-    cache.k[1, 0, 70:74] = cache.v[1, 0, 70:74] = 0
-    close(got, model.layers[1](x, ctx, 1), 3e-2)
-    close(written[0], cache.k[1, 0, 70:74], 3e-2)
-    close(written[1], cache.v[1, 0, 70:74], 3e-2)
-
-    # EAGLE drafting through the kernel: the catch-up's causal rows, a dynamic tree's frontier rows and
-    # a static tree's one-node level (a single token with a wider region) give the draft network the
-    # outputs SDPA gives it, pass for pass.
-    from pipeline.bench.speed import _IdsOnly
-    from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig
-    from pipeline.engine.eagle import EagleNet, EagleProposer
-    from pipeline.engine.graphs import CapturedStep
-    from pipeline.engine.runner import Engine
-    from pipeline.engine.sampling import SamplingParams
-    from pipeline.engine.tree import build_tree
-
-    target = Transformer(cfg).float()
-    net = EagleNet(dataclasses.replace(cfg, num_layers=1)).float()
-    for p in [*target.parameters(), *net.parameters()]:
-        p.normal_(0, 0.15)  # at 0.3 the drafter's deeper passes reach scores of 1e5, where float32 sums
-        # in another order (SDPA's, the kernel's on CUDA) differ by percents
-    passes = {}
-    net.register_forward_hook(lambda module, args, out: passes[kernels].append(out.clone()))
-    for tree, dynamic, nodes in ((build_tree([[0], [1], [0, 0], [0, 0, 0]]), None, 4),
-                                 (None, DynamicTreeConfig(top_k=3, depth=3, max_non_leaves_per_layer=2), 6)):
-        for kernels in ("off", "fused"):
-            assert fused.attach(net, kernels, (device,))["attention_layers"] == (kernels == "fused")
-            passes[kernels] = []
-            proposer = EagleProposer(net, 200, tree.to(device) if tree else None, dynamic, nodes)
-            engine = Engine(target, _IdsOnly(), EngineLimits(1, 16, 160, nodes), SpecConfig(), proposer)
-            # Eager: a replayed graph or a compiled step would not call the hook that records the passes.
-            engine.graphs = None
-            proposer.step, proposer.graph = proposer._step, CapturedStep(proposer.draft, capture=False)
-            engine.generate(list(range(1, 13)), SamplingParams(max_tokens=10, end_id=-1))
-        assert len(passes["off"]) == len(passes["fused"]) > 10
-        assert tree is None or any(x.shape[1] == 1 for x in passes["off"])  # the static tree's one-node level
-        for got, want in zip(passes["fused"], passes["off"]):
-            close(got, want, 1e-4)
-
-    # A dynamic tree's small top-k's in one sort: torch.topk's values and positions, ties to the lower
-    # position (torch.topk's own order at a tie is unspecified: ties are checked by value only there).
-    from pipeline.engine.fused_kernels import row_topk
-    # (Rows of a few hundred values: the interpreter sorts slowly.)
-    for shape, k in (((1, 8), 8), ((64,), 8), ((200,), 63), ((2, 600), 10), ((1, 1024), 1), ((5, 7), 3)):
-        x = torch.randn(shape) * 30
-        values, positions = row_topk(x, k)
-        want = x.topk(k)
-        assert torch.equal(values, want.values) and torch.equal(positions, want.indices), shape
-    x = torch.tensor([[2.0, -1.0, 2.0, float("-inf"), -0.0, 0.0, -3.5, 2.0]])
-    values, positions = row_topk(x, 6)
-    assert values.tolist() == [[2.0, 2.0, 2.0, 0.0, 0.0, -1.0]] and positions[0, :3].tolist() == [0, 2, 7]
-    assert torch.equal(row_topk(x.to(half), 3)[0], x.to(half).topk(3).values)
-
-    # The drafter's LM head + log-softmax + top-k in one kernel: rows up to a tile, vocabularies and
-    # hidden sizes off the tiles, against the unfused ops; then dynamic trees drafted through it.
-    from pipeline.engine.fused_kernels import lm_head_topk
-    for rows, vocab, hidden, k in ((1, 1000, 48, 8), (8, 700, 100, 4), (16, 300, 64, 10)):
-        w = (torch.randn(vocab, hidden) * hidden ** -0.5).to(half)
-        h = (torch.randn(rows, hidden) * 3).to(half)
-        logp, tok = lm_head_topk(h, w, k)
-        want_logp, want_tok = F.log_softmax(F.linear(h.float(), w.float()), dim=-1).topk(k, dim=-1)
-        assert device == "cuda" or torch.equal(tok, want_tok)  # in bf16 a near-tie may order either way
-        close(logp, want_logp, tol)
-    if device == "cpu":  # float32 through TF32 tiles on a GPU may pick another node at a near-tie
-        drafted = {}
-        for name, topk in (("torch", None), ("fused", lm_head_topk)):
-            net.draft_topk, net.row_topk = topk, topk and row_topk
-            drafted[name] = []
-            proposer = EagleProposer(net, 200, None, DynamicTreeConfig(top_k=3, depth=3, max_non_leaves_per_layer=2), 6)
-            engine = Engine(target, _IdsOnly(), EngineLimits(1, 16, 160, 6), SpecConfig(), proposer)
-            engine.graphs = None
-
-            def record(out=drafted[name], draft=proposer.draft):
-                tree = draft()
-                out.append(tree.tokens.clone())
-                return tree
-
-            proposer.draft = record
-            engine.generate(list(range(1, 13)), SamplingParams(max_tokens=10, end_id=-1))
-        assert len(drafted["torch"]) > 2 and all(map(torch.equal, drafted["torch"], drafted["fused"]))
-
-        # Medusa's dynamic tree through the same kernels (its heads' shared LM head, log-softmax and top-k in
-        # one; the frontier's and the selection's in row_topk): torch's trees, node for node.
-        from pipeline.engine.medusa import MedusaProposer, medusa_heads
-        heads = medusa_heads(3, 1, cfg.hidden_size, cfg.vocab_size, "silu").float()
-        for p in heads.parameters():
-            p.normal_(0, 0.15)
-        medusa = MedusaProposer(heads, None, target.lm_head, DynamicTreeConfig(top_k=5, depth=3, max_non_leaves_per_layer=3), 9)
-        assert medusa.draft_topk is None  # CPU weights: torch's ops unless asked
-        for trial in range(3):
-            medusa.hidden.copy_(torch.randn_like(medusa.hidden) * 3)
-            trees = {}
-            for name, kernels in (("torch", (None, None)), ("fused", (lm_head_topk, row_topk))):
-                medusa.draft_topk, medusa.row_topk = kernels
-                trees[name] = medusa.draft()
-            for field in ("tokens", "parents", "depths", "mask"):
-                assert torch.equal(getattr(trees["torch"], field), getattr(trees["fused"], field)), (trial, field)
-    print("kernels ok")
-""")
-
 
 NO_TRITON = importlib.util.find_spec("triton") is None
 
@@ -347,8 +44,11 @@ def interpreter_broken() -> bool:
     pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device"))])
 def test_kernels_match_the_unfused_layers(device):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CHECK_DEVICE=device, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {}))
-    run = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    """check_kernels in a process of its own: under the interpreter, TRITON_INTERPRET must be set before the
+    kernels are defined, and this process may have defined them already."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **({"TRITON_INTERPRET": "1"} if device == "cpu" else {}))
+    run = subprocess.run([sys.executable, "-m", check_kernels.__name__, device], env=env, capture_output=True,
+                         text=True, timeout=600)
     assert run.returncode == 0 and "kernels ok" in run.stdout, run.stderr[-3000:]
 
 
@@ -369,8 +69,8 @@ def test_every_kernel_level_decodes_the_same_tokens_on_cuda():
     model = model.to("cuda", torch.bfloat16).eval()
     engine = Engine(model, _IdsOnly(), EngineLimits(1, 16, 160, 0), SpecConfig())
     outputs = {}
-    for kernels in fused.LEVELS:
-        counts = fused.attach(model, kernels)
+    for kernels in routing.LEVELS:
+        counts = routing.attach(model, kernels)
         assert counts["fused_layers"] == (2 if kernels == "fused" else 0)
         engine.graphs = GraphedTarget(model, engine.cache, ())
         outputs[kernels] = engine.generate(list(range(1, 17)), SamplingParams(max_tokens=128, end_id=-1)).token_ids
@@ -385,33 +85,67 @@ def tiny_config(**changes) -> ModelConfig:
 
 def test_attach_leaves_cpu_models_on_the_library_kernels():
     model = Transformer(tiny_config()).to(torch.bfloat16)
-    assert fused.attach(model, "fused") == {"gemv_layers": 0, "fused_layers": 0, "attention_layers": 0, "draft_topk": 0}  # CPU weights: nothing to route
+    assert routing.attach(model, "fused") == {"gemv_layers": 0, "fused_layers": 0, "attention_layers": 0, "draft_topk": 0}  # CPU weights: nothing to route
     assert all(m.gemv is None for m in model.modules() if isinstance(m, Linear))
 
 
 def test_only_plain_llama_layers_fuse():
-    assert fused.fusable(Transformer(tiny_config()).layers[0])
+    assert routing.fusable(Transformer(tiny_config()).layers[0])
     for changes in ({"qkv_bias": True}, {"mlp_bias": True}, {"hidden_act": "gelu"}, {"head_size": 24}):
-        assert not fused.fusable(Transformer(tiny_config(**changes)).layers[0]), changes
+        assert not routing.fusable(Transformer(tiny_config(**changes)).layers[0]), changes
 
 
 def test_a_bad_kernel_level_names_the_variable_and_the_choices(monkeypatch):
-    monkeypatch.setenv(fused.KERNELS_ENV, "gemm")
+    monkeypatch.setenv(routing.KERNELS_ENV, "gemm")
     with pytest.raises(UserError, match="SPECPIPE_KERNELS=gemm: use one of fused, gemv, off"):
-        fused.level()
+        routing.level()
 
 
-@pytest.mark.skipif(NO_TRITON, reason="needs triton")
 def test_drafter_kernels_take_half_weights_on_the_devices_named_only(monkeypatch):
-    from pipeline.engine import fused_kernels
-
     w = torch.zeros(64, 16, dtype=torch.bfloat16)
-    assert fused.draft_kernels(w) == (None, None)  # CPU weights, CUDA asked: torch's ops
-    assert fused.draft_kernels(w, "fused", ("cpu",)) == (fused_kernels.lm_head_topk, fused_kernels.row_topk)
-    assert fused.draft_kernels(w.float(), "fused", ("cpu",)) == (None, None)
-    assert fused.draft_kernels(w, "off", ("cpu",)) == (None, None)
-    monkeypatch.setenv(fused.DRAFT_TOPK_ENV, "torch")
-    assert fused.draft_kernels(w, "fused", ("cpu",)) == (None, None)
+    assert routing.drafter_kernels(w) == TORCH_TOPK  # CPU weights, CUDA asked: torch's ops
+    assert routing.drafter_kernels(w, "fused", ("cpu",)) == DrafterKernels(DEFAULT_TUNING)
+    tuning = dataclasses.replace(DEFAULT_TUNING, draft_topk_max_k=8)
+    assert routing.drafter_kernels(w, "fused", ("cpu",), tuning=tuning).tuning is tuning
+    assert routing.drafter_kernels(w.float(), "fused", ("cpu",)) == TORCH_TOPK
+    assert routing.drafter_kernels(w, "off", ("cpu",)) == TORCH_TOPK
+    monkeypatch.setenv(routing.DRAFT_TOPK_ENV, "torch")
+    assert routing.drafter_kernels(w, "fused", ("cpu",)) == TORCH_TOPK
     x = torch.tensor([3.0, 1.0, 2.0])
-    assert [t.tolist() for t in fused.small_topk(x, 2, None)] == [[3.0, 2.0], [0, 2]]
-    assert fused.draft_topk_fits(16, 16) and not fused.draft_topk_fits(17, 8) and not fused.draft_topk_fits(8, 32)
+    assert [t.tolist() for t in TORCH_TOPK.topk(x, 2)] == [[3.0, 2.0], [0, 2]]
+    fits = DrafterKernels(DEFAULT_TUNING).lm_head_topk_fits
+    assert fits(16, 16) and not fits(17, 8) and not fits(8, 32) and not TORCH_TOPK.lm_head_topk_fits(1, 1)
+
+
+def test_the_default_tuning_is_the_engines():
+    """The values the engine's kernels were measured with (BENCHMARKS.md); a bad variant is refused."""
+    t = KernelTuning()
+    assert (t.block_rows, t.block_k, t.num_warps) == (8, 1024, 8)
+    flags = (t.gated_gemv, t.rope_in_gemv, t.rows_mlp, t.rows_layer, t.one_token_tiles)
+    assert flags == (False, True, True, True, True)
+    assert (t.rows_gemm_max_tokens, t.rows_gemm_gated_tile, t.rows_gemm_tile) == (64, (64, 64, 4, 4), (32, 256, 4, 4))
+    assert (t.rows_small_weights, t.rows_small_rope_tile, t.rows_small_gated_tile, t.rows_small_tile) == (
+        1 << 22, (16, 32, 64, 4, 5), (16, 64, 64, 4, 5), (64, 16, 128, 4, 5))
+    assert (t.attention_chunk_slots, t.attention_max_splits, t.attention_programs, t.tree_block_rows,
+            t.tree_block_slots, t.tree_min_rows, t.tree_min_blocks_per_split, t.tree_max_blocks_per_split,
+            t.float32_dot) == (16, 64, 256, 16, 64, 16, 2, 4, "ieee")
+    assert (t.draft_topk_tile, t.draft_topk_warps, t.draft_topk_max_rows, t.draft_topk_max_k, t.draft_topk_block_h,
+            t.row_topk_max) == (256, 4, 16, 16, 64, 4096)
+    for bad in ({"block_rows": 6}, {"float32_dot": "fast"}, {"rows_gemm_tile": (32, 256, 4)}):
+        with pytest.raises(ValueError):
+            dataclasses.replace(t, **bad)
+
+
+def test_eagle_nets_reach_their_top_k_kernels_through_drafter_kernels():
+    """attach gives EAGLE's nets drafter_kernels' answer (MedusaProposer asks it for its heads)."""
+    from pipeline.engine.eagle import EagleNet
+
+    net = EagleNet(tiny_config()).to(torch.bfloat16)
+    assert net.drafter == TORCH_TOPK
+    if NO_TRITON:
+        return
+    tuning = dataclasses.replace(DEFAULT_TUNING, draft_topk_max_rows=8)
+    assert routing.attach(net, "fused", ("cpu",), tuning=tuning)["draft_topk"] == 1
+    assert net.drafter == DrafterKernels(tuning)
+    routing.attach(net, "off", ("cpu",))
+    assert net.drafter == TORCH_TOPK

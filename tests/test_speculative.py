@@ -19,6 +19,7 @@ from pipeline.convert.tiny import make_random_eagle, make_random_eagle3, make_ra
 from pipeline.engine.config import DynamicTreeConfig, SpecConfig
 from pipeline.engine.eagle import EagleNet, EagleProposer
 from pipeline.engine.graphs import GraphedTarget
+from pipeline.engine.kernels.routing import TORCH_TOPK
 from pipeline.engine.medusa import MedusaProposer, medusa_heads
 from pipeline.engine.runner import Engine, SamplingParams
 from pipeline.engine.speculative import StepInput
@@ -120,7 +121,7 @@ class OracleNet(nn.Module):
         self.capture_layers = getattr(real, "capture_layers", ())
         self.num_cache_layers = real.num_cache_layers
         self.lm_head = real.lm_head
-        self.row_topk = None  # the tree's candidates through torch.topk
+        self.drafter = TORCH_TOPK  # the tree's candidates through torch.topk
 
     def target_features(self, target):
         return self.real.target_features(target)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +26,7 @@ from pipeline.engine.graphs import CapturedStep
 from pipeline.engine.kernels.routing import TORCH_TOPK, DrafterKernels, attach, several_token_layer, several_token_mlp
 from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
 from pipeline.engine.medusa import MedusaProposer, medusa_heads
-from pipeline.engine.model import (KVCache, Linear, ModelConfig, Rotary, Transformer, full_slot_context,
-                                   make_context)
+from pipeline.engine.model import KVCache, Linear, ModelConfig, Rotary, Transformer, full_slot_context, make_context
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.tree import build_tree

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +65,10 @@ def timed(fn: Callable[[int], object], reps: int = REPS) -> float:
     times = []
     for _ in range(TIMED_REPLAYS):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); graph.replay(); b.record(); torch.cuda.synchronize()
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / reps * 1e3)
     return sorted(times)[len(times) // 2]
 
@@ -113,7 +116,7 @@ def main(shape: str) -> None:
         totals["triton"] += per_token * results[(False, *engine)]
         totals["fused"] += per_token * results.get((True, *engine), results[(False, *engine)])
         print(line, flush=True)
-        del ws
+        ws = []  # free this shape's copies before the next shape's
     products = sum(per_token for _, _, per_token, _ in MODEL_SHAPES[shape].values())
     print(f"per-token sum of the {products} products at the engine's config (ms):",
           {k: round(v / 1e3, 3) for k, v in totals.items()}, f"probe {time.time() - t0:.0f} s")

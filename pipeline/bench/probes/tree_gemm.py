@@ -110,7 +110,7 @@ def main() -> None:
             print(f"{name:<8}{mb:7.1f} MB  cublas {t_cublas:6.1f} ({gbs(t_cublas):4.0f})  best {best}: "
                   f"{times[best]:6.1f} ({gbs(times[best]):4.0f})  " + "  ".join(
                       f"{','.join(map(str, c))}: {t:.1f}" for c, t in times.items()), flush=True)
-            del ws
+            ws = []  # free this shape's copies before the next shape's
         single = min(per_config, key=per_config.get)
         totals[f"best single tile {single}"] = per_config[single]
         print(f"{m} rows, one pass's 129 products (ms):", {key: round(v / 1e3, 3) for key, v in totals.items()})
@@ -153,7 +153,8 @@ def mlp(shape: str) -> None:
         for gated in (True, False):
             times = {}
             for tile in MLP_SWEEP:
-                tuning = dataclasses.replace(DEFAULT_TUNING, **{"rows_gemm_gated_tile" if gated else "rows_gemm_tile": tile})
+                field = "rows_gemm_gated_tile" if gated else "rows_gemm_tile"
+                tuning = dataclasses.replace(DEFAULT_TUNING, **{field: tile})
                 run = ((lambda i, t=tuning: rows_gemm(x, up[i % copies], gated=True, tuning=t)) if gated else
                        (lambda i, t=tuning: rows_gemm(g, down[i % copies], residual=r, tuning=t)))
                 try:

@@ -43,6 +43,8 @@ def format_variant(tuning: KernelTuning, base: KernelTuning = DEFAULT_TUNING) ->
         return BASE
 
     def text(value: object) -> str:
-        return "/".join(map(str, value)) if isinstance(value, tuple) else str(int(value) if isinstance(value, bool) else value)
+        if isinstance(value, tuple):
+            return "/".join(map(str, value))
+        return str(int(value) if isinstance(value, bool) else value)
 
     return ",".join(f"{name}={text(getattr(tuning, name))}" for name in changed)

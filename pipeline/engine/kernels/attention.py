@@ -180,12 +180,12 @@ def _slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: t
         splits = min(max_splits, max(splits, triton.cdiv(blocks, max_blocks_per_split)))
     direct = not cuda_cores and splits == 1
     m = torch.empty(0 if direct else tokens * heads * splits, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
+    sums = torch.empty_like(m)
     o = torch.empty(m.shape[0], head, dtype=torch.float32, device=q.device)
     out = q.new_empty(q.shape)  # contiguous whatever q's strides: the kernels write rows of [T * H, D]
     if q.stride(2) != 1 or q.stride(1) != head:  # heads side by side; tokens may lie at any stride
         q = q.contiguous()
-    args = (q, k, v, length, k if rows is None else rows.contiguous().view(torch.uint8), m, l, o, slots,
+    args = (q, k, v, length, k if rows is None else rows.contiguous().view(torch.uint8), m, sums, o, slots,
             region, head ** -0.5, k.stride(0), k.stride(1), splits)
     if cuda_cores:
         _attention_split_kernel[(kv_heads, splits)](
@@ -197,7 +197,7 @@ def _slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: t
             FLOAT32=q.dtype == torch.float32, PRECISION=float32_dot if q.dtype == torch.float32 else "tf32",
             DIRECT=direct, OWN_SLOT=rows is None)
     if not direct:
-        _attention_merge_kernel[(tokens * heads,)](m, l, o, out, splits, HEAD=head,
+        _attention_merge_kernel[(tokens * heads,)](m, sums, o, out, splits, HEAD=head,
                                                    SPLIT_ROWS=max(2, triton.next_power_of_2(splits)))
     return out
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -174,7 +175,7 @@ def power_of_two(n: int) -> bool:
     return n & (n - 1) == 0
 
 
-def fused_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContext", index: int,
+def fused_layer(layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int,
                 tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
     """DecoderLayer.forward through the kernels: a single token's all through (single_token_layer); a tree
     step's of a small layer all through (several_token_layer); other steps of several tokens from the MLP's
@@ -190,7 +191,7 @@ def fused_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContext", ind
     return several_token_mlp(layer, x, tuning)
 
 
-def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContext", index: int,
+def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int,
                        tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
     """DecoderLayer.forward for one token of one sequence (x [1, 1, H]): four GEMVs, the first with
     rotary and the cache write in it (tuning.rope_in_gemv; else a kernel of their own), the two attention
@@ -232,7 +233,7 @@ def several_token_mlp(layer: DecoderLayer, x: torch.Tensor, tuning: KernelTuning
     return rows_gemm(gated, layer.mlp.proj.weight, residual=rows, tuning=tuning).view_as(x)
 
 
-def several_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: "ForwardContext", index: int,
+def several_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int,
                         tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
     """DecoderLayer.forward for a graph step of several tokens of one sequence (x [1, T, H], ctx with a
     region): single_token_layer's six kernels for T rows, through rows_rope_store, slot_attention and
