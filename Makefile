@@ -168,3 +168,12 @@ bench: setup
 BENCH_DECODE_ARGS ?= --num-prompts 2 --hf-prompts 2 --max-tokens 64
 bench-decode: setup
 	$(SPECPIPE) bench --device cpu --suites smollm2 --methods plain $(BENCH_DECODE_ARGS)
+
+# --- Soak (not in CI) --------------------------------------------------------------------------
+# make soak [SOAK_MINUTES=10] [SOAK_CONCURRENCY=16]: mixed normal, cancelled and bad requests through
+# tritonserver on triton_repo/ (make triton-repo first); writes bench/soak-<date>-c<concurrency>.json.
+SOAK_MINUTES ?= 10
+SOAK_CONCURRENCY ?= 16
+.PHONY: soak
+soak: setup
+	$(BIN)/python -m pipeline.bench.soak --repo $(REPO) --minutes $(SOAK_MINUTES) --concurrency $(SOAK_CONCURRENCY)

@@ -1,14 +1,21 @@
 """OpenAI-compatible HTTP front (`/v1/models`, `/v1/completions`, `/v1/chat/completions`) over Triton gRPC.
 
-Each request becomes one gRPC stream to the `ensemble` model; streamed Triton responses become
-server-sent-event chunks. The speculative metrics of the last response are returned as an extra
-`spec` field so a benchmark reads acceptance without a side channel.
+Each request becomes one gRPC stream to the `tensorrt_llm_bls` model (the same chain as the ensemble; in
+Triton 2.51 only a BLS request passes a client's cancel on to the engine); streamed Triton responses become
+server-sent-event chunks, and a client closing a stream's connection cancels the gRPC stream. The
+speculative metrics of the last response are returned as an extra `spec` field so a benchmark reads
+acceptance without a side channel.
+
+Client mistakes are answered 400 (404 for an unknown model) in OpenAI's error format before anything
+reaches Triton where the front can tell (sampling values, `n`, `stream`, a prompt over the byte limit
+the preprocessing model applies); Triton's refusals are 400 too, a full engine queue 503 with Retry-After.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 import uuid
@@ -25,8 +32,15 @@ from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from pipeline.errors import UserError
 
-ENSEMBLE_MODEL = "ensemble"
+BACKEND_MODEL = "tensorrt_llm_bls"
+PREPROCESSING_MODEL = "preprocessing"
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+INT32_MAX = 2**31 - 1  # max_tokens travels as an INT32 input
+RETRY_AFTER_S = 1  # the Retry-After of a 503 when the engine's queue is full
+# Phrases of the model files' errors that are not the client's fault (pipeline/triton/models/*.py, Triton):
+# gRPC streams carry an error's message but not its code.
+BUSY_MARKERS = ("busy, retry later", "shutting down")
+SERVER_FAULT_MARKERS = ("internal error", "is not healthy")
 GREEDY_TOP_K = 1
 FINAL_FLAG = "triton_final_response"
 SPEC_OUTPUTS = ("total_accepted_draft_tokens", "total_draft_tokens", "acceptance_rate")
@@ -59,13 +73,23 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
         value = body.get(name, default)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RequestError(f"'{name}' must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RequestError(f"'{name}' must be a finite number, got {value!r}")
         return kind(value)
 
     max_tokens = number("max_tokens", DEFAULT_MAX_TOKENS, int)
-    if max_tokens < 1:
-        raise RequestError(f"'max_tokens' must be at least 1, got {max_tokens}")
+    if not 1 <= max_tokens <= INT32_MAX:
+        raise RequestError(f"'max_tokens' must be between 1 and {INT32_MAX}, got {max_tokens}")
+    temperature, top_p = number("temperature", 1.0, float), number("top_p", 1.0, float)
+    if temperature < 0:
+        raise RequestError(f"'temperature' must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise RequestError(f"'top_p' must be in (0, 1], got {top_p}")
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        raise RequestError(f"'n' must be 1 (one choice per request), got {n!r}")
+    if not isinstance(body.get("stream", False), (bool, type(None))):
+        raise RequestError(f"'stream' must be true or false, got {body['stream']!r}")
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(s, str) and s for s in stop):
@@ -73,7 +97,7 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise RequestError(f"'seed' must be an integer, got {seed!r}")
-    return Sampling(max_tokens, number("temperature", 1.0, float), number("top_p", 1.0, float), stop, seed)
+    return Sampling(max_tokens, temperature, top_p, stop, seed)
 
 
 class StopMatcher:
@@ -102,20 +126,22 @@ class StopMatcher:
 
 
 class TritonEnsemble:
-    """Streams one generation from the Triton `ensemble` model, sending only the inputs it declares."""
+    """Streams one generation from a Triton text model (ensemble or BLS), sending only the inputs it declares."""
 
-    def __init__(self, url: str, model: str = ENSEMBLE_MODEL):
+    def __init__(self, url: str, model: str = BACKEND_MODEL):
         self.url = url
         self.model = model
         client = grpcclient.InferenceServerClient(url)
         try:
             meta = client.get_model_metadata(model, as_json=True)
             config = client.get_model_config(model, as_json=True)["config"]
+            pre = client.get_model_config(PREPROCESSING_MODEL, as_json=True)["config"]
         finally:
             client.close()
         self.inputs = {i["name"]: i for i in meta["inputs"]}
         self.outputs = {o["name"] for o in meta["outputs"]}
         self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+        self.max_input_len = int(pre["parameters"]["max_input_len"]["string_value"])
 
     def _tensor(self, name: str, values: list[Any]) -> grpcclient.InferInput:
         meta = self.inputs[name]
@@ -201,9 +227,31 @@ def spec_field(completion_tokens: int, outputs: dict[str, float]) -> dict[str, A
     }
 
 
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 503: "server_overloaded"}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": None,
+                      "code": status}}
+
+
 def error_response(status: int, message: str) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+
+
+def triton_status(message: str) -> int:
+    """The HTTP status of a Triton error: 503 for a full queue or a stopping server, 500 for a fault of the
+    server, 400 for the rest (the models' refusals of a request: limits, values, missing inputs)."""
+    if any(m in message for m in BUSY_MARKERS):
+        return 503
+    if any(m in message for m in SERVER_FAULT_MARKERS):
+        return 500
+    return 400
+
+
+def triton_error(exc: InferenceServerException) -> JSONResponse:
+    return error_response(triton_status(exc.message()), f"Triton: {exc.message()}")
 
 
 class OpenAIFront:
@@ -213,6 +261,14 @@ class OpenAIFront:
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
+        # The preprocessing model's byte limit: more bytes than max_input_len tokens can cover.
+        self.max_prompt_bytes = backend.max_input_len * max(len(t.encode("utf-8")) for t in tokenizer.get_vocab())
+
+    def check_prompt_bytes(self, text: str) -> None:
+        size = len(text.encode("utf-8"))
+        if size > self.max_prompt_bytes:
+            raise RequestError(f"the prompt has {size} bytes, over the {self.max_prompt_bytes} that "
+                               f"{self.backend.max_input_len} tokens (the engine's max_input_len) can hold")
 
     def count_tokens(self, text: str, special: bool) -> int:
         return len(self.tokenizer(text, add_special_tokens=special)["input_ids"])
@@ -222,12 +278,14 @@ class OpenAIFront:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "content" in m for m in messages):
                 raise RequestError("'messages' must be a non-empty list of {role, content} objects")
+            self.check_prompt_bytes("".join(str(m["content"]) for m in messages))
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("'prompt' must be a non-empty string (one prompt per request)")
+        self.check_prompt_bytes(prompt)
         return prompt
 
     async def run(self, body: dict[str, Any], chat: bool) -> AsyncIterator[tuple[str, str | None, dict[str, Any]]]:
@@ -289,6 +347,9 @@ def create_app(front: OpenAIFront) -> FastAPI:
             return error_response(400, f"request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object")
+        if body.get("model") not in (None, front.model_name):
+            return JSONResponse(error_body(404, f"model {body['model']!r} does not exist; this server serves "
+                                                f"{front.model_name!r} (GET /v1/models)"), status_code=404)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": front.model_name}
         events = front.run(body, chat)
@@ -297,14 +358,14 @@ def create_app(front: OpenAIFront) -> FastAPI:
         except RequestError as exc:
             return error_response(400, str(exc))
         except InferenceServerException as exc:
-            return error_response(500, f"Triton: {exc.message()}")
+            return triton_error(exc)
         if body.get("stream"):
             opts = body.get("stream_options") or {}
             return StreamingResponse(_sse(head, chat, first, events, opts), media_type="text/event-stream")
         try:
             items = [first] + [item async for item in events]
         except InferenceServerException as exc:
-            return error_response(500, f"Triton: {exc.message()}")
+            return triton_error(exc)
         text = "".join(piece for piece, _, _ in items)
         _, finish, extras = items[-1]
         extras = {"usage": extras["usage"], "spec": extras.get("spec")}
@@ -348,7 +409,9 @@ async def _sse(head: dict[str, Any], chat: bool, first: tuple, events: AsyncIter
         if opts.get("include_usage"):
             yield chunk({"choices": [], "usage": extras["usage"]})
     except InferenceServerException as exc:
-        yield f"data: {json.dumps({'error': {'message': f'Triton: {exc.message()}', 'type': 'server_error', 'code': 500}})}\n\n"
+        yield f"data: {json.dumps(error_body(triton_status(exc.message()), f'Triton: {exc.message()}'))}\n\n"
+    finally:
+        await events.aclose()  # on a closed connection too: cancels the gRPC stream, so the engine stops
     yield "data: [DONE]\n\n"
 
 
@@ -360,7 +423,7 @@ def load_tokenizer(tokenizer_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
-def connect(triton_grpc_url: str, model: str = ENSEMBLE_MODEL) -> TritonEnsemble:
+def connect(triton_grpc_url: str, model: str = BACKEND_MODEL) -> TritonEnsemble:
     try:
         return TritonEnsemble(triton_grpc_url, model)
     except InferenceServerException as exc:

@@ -21,13 +21,19 @@ MODEL = "tiny"
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 12
 READY_TIMEOUT_S = 30.0
+# A cancelled stream asked for this many tokens (seconds of work on 2 cores if it ran to the end); the next
+# request may then take its idle latency times SLOWDOWN_ALLOWED plus SLACK_S (a step or two of the
+# cancelled request, a loaded machine).
+LONG_MAX_TOKENS = 400
+SLOWDOWN_ALLOWED, SLACK_S = 3.0, 2.0
 
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory: pytest.TempPathFactory):
     """Triton on a tiny ngram-speculative engine, the front on a free port; yields (base_url, tokenizer dir)."""
     root = tmp_path_factory.mktemp("front")
-    engine = convert_and_build(make_tiny_model(root / "hf"), root / "build", speculative="ngram", ngram_k=4)
+    engine = convert_and_build(make_tiny_model(root / "hf"), root / "build", speculative="ngram", ngram_k=4,
+                               max_input_len=48, max_seq_len=1024)
     repo = write_repository(engine, root / "repo")
     tokenizer_dir = engine / "tokenizer"
     with TritonServer(repo, log=open(root / "triton.log", "w")) as triton:
@@ -118,7 +124,52 @@ def test_errors_are_openai_shaped(front):
     no_messages = _post(base, "/v1/chat/completions", {"model": MODEL})
     assert no_messages.status_code == 400
     too_long = _post(base, "/v1/completions", {"model": MODEL, "prompt": PROMPT * 2000, "max_tokens": 4})
-    assert too_long.status_code == 500 and too_long.json()["error"]["type"] == "server_error"
+    assert too_long.status_code == 400 and "bytes" in too_long.json()["error"]["message"]
+
+
+CLIENT_MISTAKES = {
+    "temperature -1": ({"temperature": -1}, "temperature"),
+    "top_p 2": ({"top_p": 2}, "top_p"),
+    "max_tokens 10^9": ({"max_tokens": 10**9}, "max_seq_len"),
+    "max_tokens 2^31": ({"max_tokens": 2**31}, "max_tokens"),
+    "n 2": ({"n": 2}, "'n'"),
+    "stream yes": ({"stream": "yes"}, "stream"),
+    "prompt over max_input_len tokens": ({"prompt": "fox " * 200}, "max_input_len"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLIENT_MISTAKES))
+def test_client_mistakes_are_400_in_openai_format(front, case):
+    base, _ = front
+    fields, message = CLIENT_MISTAKES[case]
+    reply = _post(base, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **fields})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and message in error["message"]
+
+
+def test_unknown_model_is_404(front):
+    base, _ = front
+    reply = _post(base, "/v1/completions", {"model": "gpt-4", "prompt": PROMPT, "max_tokens": 4})
+    assert reply.status_code == 404 and "gpt-4" in reply.json()["error"]["message"]
+
+
+def test_a_closed_stream_stops_the_engine(front):
+    """The engine serves one request at a time (speculative): a stream whose connection closes must end
+    in the engine, or the next request waits for all of its tokens."""
+    base, _ = front
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    start = time.monotonic()
+    _post(base, "/v1/completions", body)
+    baseline = time.monotonic() - start
+    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG_MAX_TOKENS, "temperature": 0, "stream": True}
+    with requests.post(f"{base}/v1/completions", json=long, stream=True, timeout=120) as resp:
+        lines = resp.iter_lines()
+        for _ in range(2):
+            next(lines)
+    start = time.monotonic()
+    _post(base, "/v1/completions", body)
+    assert time.monotonic() - start < baseline * SLOWDOWN_ALLOWED + SLACK_S
 
 
 def test_stop_strings_cut_the_text(front):

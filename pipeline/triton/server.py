@@ -33,6 +33,10 @@ STOP_TIMEOUT_S = 30.0
 # tritonserver waits this long for models to unload; the ensemble never reports unloaded, so keep it short.
 EXIT_TIMEOUT_S = 5
 POLL_INTERVAL_S = 0.25
+# How often the watchdog looks for dead Python-backend stubs, and how long one model's reload may take.
+WATCH_INTERVAL_S = 0.5
+RELOAD_TIMEOUT_S = 300.0
+STUB_BINARY = "triton_python_backend_stub"
 LOG_TAIL_LINES = 40
 SHM_DIR = Path("/dev/shm")
 # Triton's Python backend names its shared-memory regions <prefix><n>; ours carry a per-server prefix.
@@ -113,6 +117,8 @@ def server_command(repo: Path, ports: Ports, shm_prefix: str, log_verbose: int) 
             f"--metrics-address={LOCALHOST}", f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
             f"--metrics-port={ports.metrics}", f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
             f"--log-verbose={log_verbose}", f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            # Explicit control, every model loaded at start: the watchdog can reload a model whose stub died.
+            "--model-control-mode=explicit", "--load-model=*",
             # Our configs are complete; auto-complete would start one more Python stub per model.
             "--disable-auto-complete-config"]
     on_path = shutil.which("tritonserver")
@@ -125,6 +131,62 @@ def server_command(repo: Path, ports: Ports, shm_prefix: str, log_verbose: int) 
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     binary = pytriton / "tritonserver" / "bin" / "tritonserver"
     return [str(binary), *args, f"--backend-directory={bundled_backend_dir(pytriton)}"], env
+
+
+def python_stubs(server_pid: int) -> dict[int, str]:
+    """{pid: model name} of the server's living Python-backend stubs (zombies left out). A stub's first
+    argument is its model file, <repo>/<model>/<version>/model.py."""
+    stubs = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # /proc/<pid>/stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after its ')'.
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            if int(ppid) != server_pid or state == "Z":
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue  # the process ended while we looked
+        if len(argv) > 1 and argv[0].endswith(STUB_BINARY.encode()):
+            stubs[int(entry.name)] = Path(argv[1].decode()).parent.parent.name
+    return stubs
+
+
+class StubWatchdog(threading.Thread):
+    """Reloads a model whose Python-backend stub died (killed, out of memory, a crash in native code).
+
+    tritonserver 2.51 never restarts such a stub: every later request fails with "Stub process ... is not
+    healthy" while health and readiness still answer 200. The watchdog unloads the model, so that it and
+    the server report not ready, then loads it again (a new stub) and logs both steps. Requests that were
+    inside the dead stub get no answer from Triton; clients need a deadline for those.
+    """
+
+    def __init__(self, server: "TritonServer"):
+        super().__init__(daemon=True, name="stub-watchdog")
+        self.server = server
+        self.stopping = threading.Event()
+        self.reloads: list[str] = []  # models reloaded, in order (tests read it)
+
+    def run(self) -> None:
+        known: dict[int, str] = {}
+        while not self.stopping.wait(WATCH_INTERVAL_S):
+            if self.server.process.poll() is not None:
+                return
+            alive = python_stubs(self.server.process.pid)
+            dead = {model for pid, model in known.items() if pid not in alive}
+            for model in sorted(dead):
+                if self.stopping.is_set():
+                    return
+                self.server.note(f"the Python-backend stub of model {model!r} died; reloading {model!r}")
+                try:
+                    self.server.reload(model)
+                except (UserError, OSError) as exc:
+                    self.server.note(f"reloading {model!r} failed: {exc}")
+                    continue
+                self.reloads.append(model)
+                self.server.note(f"model {model!r} is loaded again")
+            known = python_stubs(self.server.process.pid) if dead else alive
 
 
 def _raise_stack_limit() -> None:
@@ -151,6 +213,7 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._log_thread: threading.Thread | None = None
+        self.watchdog: StubWatchdog | None = None
 
     @property
     def http_url(self) -> str:
@@ -189,6 +252,27 @@ class TritonServer:
         except BaseException:
             self.stop()
             raise
+        self.watchdog = StubWatchdog(self)
+        self.watchdog.start()
+
+    def note(self, message: str) -> None:
+        """A line of the launcher's own in the server log."""
+        self.log_tail.append(message)
+        self.log.write(f"[specpipe] {message}\n")
+        self.log.flush()
+
+    def _post(self, path: str, timeout_s: float) -> None:
+        request = urllib.request.Request(f"http://{self.http_url}{path}", data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s):
+                pass
+        except urllib.error.HTTPError as exc:
+            raise UserError(f"POST {path}: {exc.code} {exc.read().decode(errors='replace')}") from None
+
+    def reload(self, model: str) -> None:
+        """Unload then load one model through the repository API (not ready in between)."""
+        self._post(f"/v2/repository/models/{model}/unload", RELOAD_TIMEOUT_S)
+        self._post(f"/v2/repository/models/{model}/load", RELOAD_TIMEOUT_S)
 
     def _forward_logs(self) -> None:
         for line in self.process.stdout:
@@ -221,8 +305,11 @@ class TritonServer:
         return self.process.wait()
 
     def stop(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stopping.set()
         if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+            # tritonserver alone: it finalizes its stubs itself; the group is killed only if it hangs.
+            self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:

@@ -27,9 +27,12 @@ def _opt(name: str, dtype: str, dims: tuple[int, ...] = (1,), **flags: bool) -> 
 
 
 # --- preprocessing: text -> token ids -------------------------------------------------------
+# QUERY and REQUEST_OUTPUT_LEN (text_input, max_tokens) are needed but declared optional: Triton 2.51's
+# streaming paths answer a missing required input of an ensemble with an empty success; the preprocessing
+# model refuses it with an error that names the input.
 PREPROCESSING_INPUTS = (
-    Tensor("QUERY", "STRING"),
-    Tensor("REQUEST_OUTPUT_LEN", "INT32"),
+    _opt("QUERY", "STRING"),
+    _opt("REQUEST_OUTPUT_LEN", "INT32"),
     _opt("BAD_WORDS_DICT", "STRING", (VARIABLE,)),
     _opt("STOP_WORDS_DICT", "STRING", (VARIABLE,)),
     _opt("END_ID", "INT32"),
@@ -129,8 +132,8 @@ ENGINE_INPUT_FROM_PREPROCESSING = {
 }
 
 ENSEMBLE_INPUTS = (
-    Tensor("text_input", "STRING"),
-    Tensor("max_tokens", "INT32"),
+    _opt("text_input", "STRING"),  # needed; optional for the reason given at PREPROCESSING_INPUTS
+    _opt("max_tokens", "INT32"),
     _opt("num_return_sequences", "INT32"),
     _opt("bad_words", "STRING", (VARIABLE,)),
     _opt("stop_words", "STRING", (VARIABLE,)),

@@ -9,12 +9,17 @@ megabytes takes seconds and gigabytes); every refusal is an INVALID_ARG error na
 """
 
 import json
+import os
+import sys
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
 WORDS_PAD = -1  # pads the id and offset rows of a words list, as the C++ backend expects
+# Request parameters Triton's front ends set themselves; any other parameter is an input name the model
+# does not have (the HTTP generate endpoint turns unknown JSON fields into parameters).
+FRONTEND_PARAMETER_PREFIX = "triton_"
 
 
 class ClientError(ValueError):
@@ -74,6 +79,13 @@ class TritonPythonModel:
         pad = self.tokenizer.pad_token_id
         self.pad_id = self.end_id if pad is None else pad
 
+    def finalize(self):
+        """Leave the process at once: the interpreter's teardown (transformers imports torch) takes seconds,
+        which pushed tritonserver past its exit timeout."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
     def execute(self, requests):
         responses = []
         for request in requests:
@@ -114,6 +126,11 @@ class TritonPythonModel:
                                                   tokenize=False)
 
     def _preprocess(self, request):
+        unknown = sorted(name for name in json.loads(request.parameters() or "{}")
+                         if not name.startswith(FRONTEND_PARAMETER_PREFIX))
+        if unknown:
+            raise ClientError(f"unknown input(s) {', '.join(map(repr, unknown))}; see the model's inputs at "
+                              "/v2/models/ensemble/config")
         query = self._optional(request, "QUERY")
         if query is None or query.size == 0:
             raise ClientError("input 'text_input' is missing; send the prompt as text_input")

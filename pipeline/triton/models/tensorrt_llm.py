@@ -3,10 +3,20 @@
 Decoupled: each request runs `Engine.stream` in its own worker thread, so `execute` returns at once
 and the server keeps accepting requests. Streaming requests get one response per chunk carrying only
 the new tokens; other requests get one response with the whole sequence. Every request ends with the
-final flag. A request the engine refuses (`RequestError`) gets a TritonError; the server keeps serving.
+final flag. A request the engine refuses (`RequestError`) gets an INVALID_ARG error, a full engine queue
+(`EngineBusy`) an UNAVAILABLE one; the server keeps serving.
+
+Cancellation: between chunks the worker checks the request's own cancel flag (a client cancelling a
+request sent to this model) and a stop request: a request with `stop` true and the `request_id` of one in
+flight ends that one, as in TensorRT-LLM's backend; the BLS model sends those, since Triton 2.51 does not
+pass a cancel on to composing or BLS requests already running. Either way the engine's stream is closed,
+which ends the request in the engine at its next step and frees its cache.
 """
 
 import json
+import math
+import os
+import sys
 import threading
 import time
 import traceback
@@ -15,6 +25,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pipeline.engine.runner import Engine, RequestError, SamplingParams
+from pipeline.engine.sampling import EngineBusy
 
 # The Python backend's response path is not safe under concurrent sends from several threads
 # (seen: boost lock_exception and a segfault in libtriton_python with 4 streams): one lock for all.
@@ -35,6 +46,8 @@ def _send(sender, response=None, flags=0):
 
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# On unload, requests still running get this long to finish before they end with an UNAVAILABLE error.
+FINALIZE_DEADLINE_S = 3.0
 REPLACEMENT_CHAR = "\ufffd"  # what a token sequence ending inside a UTF-8 character decodes to
 # Inputs the portable engine does not implement, with the value that means "off".
 UNSUPPORTED_SCALARS = {
@@ -81,6 +94,18 @@ def _words_from_ids(tokenizer, words_list):
     return tuple(words)
 
 
+def _error(message, code):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"tensorrt_llm: {message}", code))
+
+
+class Stopped(Exception):
+    """The request ended before its last token: cancelled by the client, a stop request, or unloading."""
+
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
 def _tensor(name, values, dtype):
     return pb_utils.Tensor(name, np.array(values, dtype=dtype).reshape(1, -1))
 
@@ -94,6 +119,9 @@ class TritonPythonModel:
         threading.stack_size(WORKER_STACK_BYTES)
         self.workers = set()
         self.workers_lock = threading.Lock()
+        self.stopping = threading.Event()  # set on unload: running requests end at their next chunk
+        self.stop_events = {}  # request id -> event a stop request sets; guarded by workers_lock
+        self.vocab_size = self.engine.target.cfg.vocab_size
         labels = {"model": args["model_name"], "spec_mode": self.engine.spec.mode}
         self.families = []
         self.counters = {}
@@ -111,24 +139,54 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        """Let running requests finish for FINALIZE_DEADLINE_S, end the rest with an error, then leave the
+        process at once: the interpreter's own teardown (torch, transformers) takes seconds, which pushed
+        tritonserver past its exit timeout."""
+        deadline = time.monotonic() + FINALIZE_DEADLINE_S
         with self.workers_lock:
             workers = list(self.workers)
         for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        self.stopping.set()
+        for worker in workers:
             worker.join()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     def _serve(self, request, arrival_ns):
         sender = request.get_response_sender()
         try:
             self._generate(request, sender, arrival_ns)
         except RequestError as exc:
-            _send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(f"tensorrt_llm: {exc}")), flags=FINAL)
+            _send(sender, _error(exc, pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+        except EngineBusy as exc:
+            _send(sender, _error(f"busy, retry later ({exc})", pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+        except Stopped as exc:
+            _send(sender, _error(exc, exc.code), flags=FINAL)
         except Exception as exc:  # a bug must still end the request; the server keeps serving others
             traceback.print_exc()
-            _send(sender, pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(f"tensorrt_llm: internal error: {type(exc).__name__}: {exc}")), flags=FINAL)
+            _send(sender, _error(f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL),
+                  flags=FINAL)
         finally:
             with self.workers_lock:
                 self.workers.discard(threading.current_thread())
+
+    def _stop_other(self, request, sender):
+        """A stop request: end the running request with this request's id, answer with an empty final."""
+        with self.workers_lock:
+            event = self.stop_events.get(request.request_id())
+        if event is not None:
+            event.set()
+        _send(sender, flags=FINAL)
+
+    def _check_running(self, request, stop_event):
+        if request.is_cancelled():
+            raise Stopped("cancelled", pb_utils.TritonError.CANCELLED)
+        if stop_event.is_set():
+            raise Stopped("stopped by a stop request", pb_utils.TritonError.CANCELLED)
+        if self.stopping.is_set():
+            raise Stopped("the server is shutting down; retry on another or later", pb_utils.TritonError.UNAVAILABLE)
 
     def _parse(self, request):
         input_ids = _input(request, "input_ids")
@@ -148,19 +206,33 @@ class TritonPythonModel:
                 raise RequestError(f"input {name!r} is not supported by the portable engine; leave it unset")
         if _words_from_ids(self.engine.tokenizer, _input(request, "bad_words_list")):
             raise RequestError("bad_words are not supported by the portable engine; leave them empty")
+        max_tokens = int(_scalar(request, "request_output_len", 0))
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {max_tokens} (a number over 2147483647 does not fit "
+                               "the INT32 input and wraps around)")
+        for name in ("temperature", "runtime_top_p"):
+            value = _scalar(request, name, 0.0)
+            if not math.isfinite(value):
+                raise RequestError(f"{name.replace('runtime_', '')} must be a finite number, got {value}")
+        end_id = _scalar(request, "end_id", None)
+        if end_id is not None and end_id != -1 and not 0 <= end_id < self.vocab_size:
+            raise RequestError(f"end_id {end_id} is outside the vocabulary [0, {self.vocab_size}); "
+                               "send a token id, or -1 for none")
         seed = _scalar(request, "seed", None)
         params = SamplingParams(
-            max_tokens=int(_scalar(request, "request_output_len", 0)),
+            max_tokens=max_tokens,
             temperature=float(_scalar(request, "temperature", 0.0)),
             top_k=int(_scalar(request, "runtime_top_k", 0)),
             top_p=float(_scalar(request, "runtime_top_p", 1.0)),
             seed=None if seed is None else int(seed),
-            end_id=_scalar(request, "end_id", None),
+            end_id=end_id,
             stop_words=_words_from_ids(self.engine.tokenizer, _input(request, "stop_words_list")),
         )
         return input_ids.reshape(-1)[:length].tolist(), params
 
     def _generate(self, request, sender, arrival_ns):
+        if _scalar(request, "stop", False):
+            return self._stop_other(request, sender)
         prompt, params = self._parse(request)
         streaming = bool(_scalar(request, "streaming", False))
         exclude_input = bool(_scalar(request, "exclude_input_in_output", self.exclude_input_default))
@@ -178,18 +250,28 @@ class TritonPythonModel:
         scheduled_ns = None  # the engine runs one request at a time (its KV cache); others wait in stream()
         first_token_ns = None
         pending = []  # streamed tokens held back until they end on a whole UTF-8 character
-        for chunk in self.engine.stream(prompt, params):
-            scheduled_ns = scheduled_ns or time.time_ns()
-            if first_token_ns is None and chunk.token_ids:
-                first_token_ns = time.time_ns()
-            if request.is_cancelled():
-                _send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError("tensorrt_llm: cancelled")),
-                            flags=FINAL)
-                return
-            pending.extend(chunk.token_ids)
-            if streaming and pending and not chunk.finished and self._ends_cleanly(pending):
-                _send(sender, pb_utils.InferenceResponse(output_tensors=self._tokens(pending)))
-                pending = []
+        request_id = request.request_id()
+        stop_event = threading.Event()
+        if request_id:
+            with self.workers_lock:
+                self.stop_events[request_id] = stop_event
+        stream = self.engine.stream(prompt, params)
+        try:
+            for chunk in stream:
+                scheduled_ns = scheduled_ns or time.time_ns()
+                if first_token_ns is None and chunk.token_ids:
+                    first_token_ns = time.time_ns()
+                self._check_running(request, stop_event)
+                pending.extend(chunk.token_ids)
+                if streaming and pending and not chunk.finished and self._ends_cleanly(pending):
+                    _send(sender, pb_utils.InferenceResponse(output_tensors=self._tokens(pending)))
+                    pending = []
+        finally:
+            stream.close()  # cancels the request in the engine if it is still running
+            if request_id:
+                with self.workers_lock:
+                    if self.stop_events.get(request_id) is stop_event:
+                        del self.stop_events[request_id]
         result = chunk.result
         last_token_ns = time.time_ns()
         self._count(result)

@@ -3,11 +3,19 @@
 Decoupled: each request runs in a worker thread; the engine model is called as a decoupled BLS
 request, and each of its responses is detokenized and forwarded (streaming) or the single response
 is forwarded with the final flag (non-streaming). Self-contained so it also runs in the NGC container.
+
+Cancellation: Triton 2.51 neither passes a client's cancel on to a BLS request already running nor lets a
+BLS cancel one, so while the engine model runs, a watcher polls this request's cancel flag and, once it is
+set, sends the engine model a stop request (`stop` true, the running request's id), as TensorRT-LLM's
+backend takes them; the engine then ends the request at its next step.
 """
 
 import json
+import os
+import sys
 import threading
 import traceback
+import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -40,6 +48,10 @@ PASSTHROUGH_OUTPUTS = (
     "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens", "num_output_tokens")
 
 DEFAULT_NUM_DRAFT_TOKENS = 4  # draft-model speculation when the request sends no num_draft_tokens
+CANCEL_POLL_S = 0.05  # how often a running request's cancel flag is read
+# Request parameters Triton's front ends set themselves; any other parameter is an input name the model
+# does not have (the HTTP generate endpoint turns unknown JSON fields into parameters).
+FRONTEND_PARAMETER_PREFIX = "triton_"
 
 # The Python backend's response path is not safe under concurrent sends from several threads
 # (seen: boost lock_exception and a segfault in libtriton_python with 4 streams): one lock for all.
@@ -60,7 +72,59 @@ def _send(sender, response=None, flags=0):
 
 
 class BlsError(Exception):
-    """A composing model answered with an error; its message goes back to the client."""
+    """A composing model answered with an error; its message and code go back to the client."""
+
+    def __init__(self, message, code=None):
+        super().__init__(message)
+        self.code = pb_utils.TritonError.INTERNAL if code is None else code
+
+
+def _raise_error(response):
+    error = response.error()
+    code = error.code() if hasattr(error, "code") else None
+    raise BlsError(error.message(), code)
+
+
+def unknown_inputs(request):
+    """Names the client sent that are neither inputs nor front-end parameters."""
+    params = json.loads(request.parameters() or "{}")
+    return sorted(name for name in params if not name.startswith(FRONTEND_PARAMETER_PREFIX))
+
+
+class CancelWatcher:
+    """While the engine model runs one request for this BLS request, stop it once the client cancels."""
+
+    def __init__(self, request, engine_model):
+        self.request = request
+        self.engine_model = engine_model
+        self.inner_id = uuid.uuid4().hex
+        self.done = threading.Event()
+        self.cancelled = False
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+    def _watch(self):
+        while not self.done.wait(CANCEL_POLL_S):
+            if self.request.is_cancelled():
+                self.cancelled = True
+                self._send_stop()
+                return
+
+    def _send_stop(self):
+        one = np.array([[1]], dtype=np.int32)
+        inputs = [pb_utils.Tensor("input_lengths", one), pb_utils.Tensor("request_output_len", one),
+                  pb_utils.Tensor("stop", np.array([[True]]))]
+        stop = pb_utils.InferenceRequest(model_name=self.engine_model, request_id=self.inner_id, inputs=inputs,
+                                         requested_output_names=["output_ids"])
+        for _ in stop.exec(decoupled=True):
+            pass  # one empty final response
 
 
 def _input(request, name):
@@ -71,7 +135,7 @@ def _input(request, name):
 def _exec(request):
     response = request.exec()
     if response.has_error():
-        raise BlsError(response.error().message())
+        _raise_error(response)
     return response
 
 
@@ -95,17 +159,27 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        """Wait for running requests (the engine model ends them on its own unload), then leave the process
+        at once: the interpreter's teardown takes seconds, which pushed tritonserver past its exit timeout."""
         with self.workers_lock:
             workers = list(self.workers)
         for worker in workers:
             worker.join()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     def _serve(self, request):
         sender = request.get_response_sender()
         try:
+            unknown = unknown_inputs(request)
+            if unknown:
+                raise BlsError(f"tensorrt_llm_bls: unknown input(s) {', '.join(map(repr, unknown))}; "
+                               "see the model's inputs at /v2/models/tensorrt_llm_bls/config",
+                               pb_utils.TritonError.INVALID_ARG)
             self._generate(request, sender)
         except BlsError as exc:
-            _send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
+            _send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), exc.code)), flags=FINAL)
         except Exception as exc:  # a bug must still end the request; the server keeps serving others
             traceback.print_exc()
             _send(sender, pb_utils.InferenceResponse(
@@ -127,9 +201,9 @@ class TritonPythonModel:
                        if (value := _input(request, outer)) is not None})
         return inputs
 
-    def _engine_request(self, request):
+    def _engine_request(self, request, request_id):
         inputs = [pb_utils.Tensor(name, value) for name, value in self._engine_inputs(request).items()]
-        return pb_utils.InferenceRequest(model_name=self.engine_model, inputs=inputs,
+        return pb_utils.InferenceRequest(model_name=self.engine_model, inputs=inputs, request_id=request_id,
                                          requested_output_names=["output_ids", "sequence_length", *PASSTHROUGH_OUTPUTS])
 
     def _call(self, model, inputs, ids, max_tokens, drafts=()):
@@ -144,7 +218,7 @@ class TritonPythonModel:
         new = []
         for response in request.exec(decoupled=True):
             if response.has_error():
-                raise BlsError(response.error().message())
+                _raise_error(response)
             if (ids_tensor := pb_utils.get_output_tensor_by_name(response, "output_ids")) is not None:
                 new.extend(ids_tensor.as_numpy().reshape(-1).tolist())
         return new
@@ -161,6 +235,8 @@ class TritonPythonModel:
         k = int(num_draft.reshape(-1)[0]) if num_draft is not None else self.num_draft_tokens
         out = []
         while len(out) < max_tokens and not (out and out[-1] == end_id):
+            if request.is_cancelled():
+                raise BlsError("tensorrt_llm_bls: cancelled", pb_utils.TritonError.CANCELLED)
             remaining = max_tokens - len(out)
             drafts = self._call(self.draft_model, inputs, prompt + out, min(k, remaining - 1)) if remaining > 1 and k > 0 else []
             if end_id in drafts:
@@ -191,10 +267,17 @@ class TritonPythonModel:
         streaming = stream_flag is not None and bool(stream_flag.reshape(-1)[0])
         if self.draft_model:
             return self._speculate(request, sender, streaming)
+        with CancelWatcher(request, self.engine_model) as watcher:
+            self._forward(request, sender, streaming, watcher)
+
+    def _forward(self, request, sender, streaming, watcher):
+        """The engine model's responses, detokenized, to the client; after a cancel only drained."""
         accumulated = None
-        for response in self._engine_request(request).exec(decoupled=True):
+        for response in self._engine_request(request, watcher.inner_id).exec(decoupled=True):
+            if watcher.cancelled:
+                continue  # the engine model ends the request at its next step; its responses go nowhere
             if response.has_error():
-                raise BlsError(response.error().message())
+                _raise_error(response)
             ids_tensor = pb_utils.get_output_tensor_by_name(response, "output_ids")
             if ids_tensor is None:
                 continue  # the empty response that only carries the final flag
@@ -212,4 +295,6 @@ class TritonPythonModel:
             else:
                 _send(sender, pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
                 return
+        if watcher.cancelled:
+            raise BlsError("tensorrt_llm_bls: cancelled", pb_utils.TritonError.CANCELLED)
         _send(sender, flags=FINAL)
