@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import numpy as np
+import torch
 
 from pipeline.engine.kv_cache import CacheBudget
 from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
@@ -138,10 +139,11 @@ class Scheduler:
                 if self.serial is None:
                     self._admit()
             try:
-                if self.serial is not None:
-                    self._serve_one()
-                else:
-                    self._iterate()
+                with torch.inference_mode():
+                    if self.serial is not None:
+                        self._serve_one()
+                    else:
+                        self._iterate()
             except Exception as exc:  # a failed step ends every request in it, loudly; the engine keeps serving
                 with self.lock:
                     failed, self.running = self.running, []

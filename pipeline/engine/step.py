@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.engine.graphs import CapturedStep, Compiled
+from pipeline.engine.graphs import CapturedStep, Compiled, prefill_bucket
 from pipeline.engine.kv_cache import SCRATCH_BLOCK, BlockPool, PagedView
 from pipeline.engine.model import Transformer, paged_context
 from pipeline.engine.sampling import argmax_rows, sample_rows
@@ -68,6 +68,8 @@ class BatchStep:
         self.compiled = Compiled(self._decode, None if self.capture else False)
         self.buffers = {b: _Buffers(b, self.max_blocks, self.device) for b in self.buckets} if self.capture else {}
         self.graphs: dict[tuple[int, str], CapturedStep] = {}
+        self.prefill_buffers: dict[int, _PrefillBuffers] = {}
+        self.prefill_graphs: dict[tuple[int, str], CapturedStep] = {}
 
     def new_row(self) -> tuple[np.ndarray, np.ndarray]:
         """A request's step inputs (ints, floats), kept by the scheduler and updated in place."""
@@ -115,17 +117,70 @@ class BatchStep:
     def prefill(self, tokens: list[int], start: int, ints: np.ndarray, floats: np.ndarray,
                 last: bool) -> torch.Tensor | None:
         """Prompt tokens at positions start.. of one request (its row inputs `ints`, `floats`; its table
-        holds them) -> its next token [1] on the device when `last` (the chunk ends the prompt), else None."""
-        device = self.device
+        holds them) -> its next token [1] on the device when `last` (the chunk ends the prompt), else None.
+        On CUDA a chunk replays the graph of its padded length (padding tokens write the scratch block)."""
         n = len(tokens)
-        row = torch.from_numpy(ints[None]).to(device)
-        table = row[:, TABLE:]
-        positions = torch.arange(start, start + n, device=device)[None]
-        view = PagedView(self.pool, positions, self.pool.slots(table, positions), table,
-                         torch.tensor([start + n], device=device), start + n)
-        hidden, _ = self.target(torch.tensor([tokens], device=device), paged_context(view, self.target.rotary))
-        if not last:
+        mode = step_mode(floats[None], ints[None]) if last else "none"
+        if not self.capture:
+            x = _PrefillBuffers(n, len(ints), self.device)
+            self._fill_prefill(x, tokens, start, ints, floats)
+            return self._prefill(x, start + n, mode)
+        bucket = prefill_bucket(n, PREFILL_GRAPH_TOKENS)
+        if bucket is None:  # past the largest graph: eagerly
+            x = _PrefillBuffers(n, len(ints), self.device)
+            self._fill_prefill(x, tokens, start, ints, floats)
+            return self._prefill(x, start + n, mode)
+        if bucket not in self.prefill_buffers:
+            self.prefill_buffers[bucket] = _PrefillBuffers(bucket, len(ints), self.device)
+        x = self.prefill_buffers[bucket]
+        self._fill_prefill(x, tokens, start, ints, floats)
+        key = (bucket, mode)
+        if key not in self.prefill_graphs:
+            self.prefill_graphs[key] = CapturedStep(lambda: self._prefill(x, self.max_seq_len, mode), self.pool_handle)
+        return self.prefill_graphs[key]()
+
+    def _fill_prefill(self, x: "_PrefillBuffers", tokens: list[int], start: int, ints: np.ndarray,
+                      floats: np.ndarray) -> None:
+        n = len(tokens)
+        positions = np.arange(start, start + n)
+        table = ints[TABLE:]
+        host = x.host.numpy()
+        host[:] = 0  # padding: token 0 at position 0, written to slot 0 of the scratch block
+        host[TOKENS, :n] = tokens
+        host[POSITIONS, :n] = positions
+        host[SLOTS, :n] = table[positions // self.pool.block_size] * self.pool.block_size + positions % self.pool.block_size
+        host[LAST, 0] = n - 1
+        x.row_host.numpy()[:] = ints
+        x.floats_host.numpy()[:] = floats
+        x.ints.copy_(x.host, non_blocking=True)
+        x.row.copy_(x.row_host, non_blocking=True)
+        x.floats.copy_(x.floats_host, non_blocking=True)
+
+    def _prefill(self, x: "_PrefillBuffers", attn_len: int, mode: str) -> torch.Tensor | None:
+        positions = x.ints[POSITIONS][None]
+        table = x.row[None, TABLE:]
+        view = PagedView(self.pool, positions, x.ints[SLOTS][None], table, positions[:, -1] + 1, attn_len)
+        hidden, _ = self.target(x.ints[TOKENS][None], paged_context(view, self.target.rotary))
+        if mode == "none":
             return None
-        logits = self.target.logits(hidden[:, -1])
-        return self._choose(logits, torch.from_numpy(floats[None]).to(device), row[:, TOP_K], row[:, SEED],
-                            torch.tensor([start + n], device=device), step_mode(floats[None], ints[None]))
+        last = x.ints[LAST, :1]
+        logits = self.target.logits(hidden[0].index_select(0, last))
+        return self._choose(logits, x.floats[None], x.row[None, TOP_K], x.row[None, SEED],
+                            positions[0].index_select(0, last) + 1, mode)
+
+
+# Rows of a prefill chunk's int input: tokens, positions, pool slots, and the last real token's index.
+TOKENS, POSITIONS, SLOTS, LAST = 0, 1, 2, 3
+# Chunks up to this many tokens replay a graph of their padded length; longer ones run eagerly.
+PREFILL_GRAPH_TOKENS = 512
+
+
+class _PrefillBuffers:
+    def __init__(self, tokens: int, row: int, device: torch.device):
+        self.ints = torch.zeros(4, tokens, dtype=torch.long, device=device)
+        self.row = torch.zeros(row, dtype=torch.long, device=device)
+        self.floats = torch.zeros(2, device=device)
+        pin = device.type == "cuda"
+        self.host = torch.zeros(self.ints.shape, dtype=torch.long, pin_memory=pin)
+        self.row_host = torch.zeros(row, dtype=torch.long, pin_memory=pin)
+        self.floats_host = torch.zeros(2, pin_memory=pin)

@@ -1,0 +1,270 @@
+"""Serving under load: a concurrency sweep, measured the way vLLM's and TensorRT-LLM's users measure it.
+
+    python -m pipeline.bench.load --engine DIR [--device cuda] [--triton] [--concurrency 1,4,16]
+    python -m pipeline.bench.load --shape smollm2|llama3-8b --device cuda   # random weights, ids only
+
+At each concurrency C, C clients each send their next request as soon as the previous one ends (closed
+loop, MT-bench first turns with the chat template, the end id ignored so every reply has max_tokens
+tokens) until max(2C, --min-requests) requests have finished. Reported per level: output tokens/s over
+the level's wall time, time to first token and inter-token latency (p50, p99: each gap between streamed
+chunks shared by the tokens it brought), and peak GPU memory. In-process the clients stream from
+`Engine.stream`; with --triton also through the bundled tritonserver (gRPC streaming to the engine
+model, token ids in and out). --shape builds a plain engine of random weights in that model's shape
+(output speed does not depend on the weights at a fixed length): the prompts keep their token counts.
+Writes <output>/load-<label>-<device>-<date>.json and a PNG of throughput and TTFT against concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from pipeline.bench.prompts import load_prompts
+from pipeline.bench.speed import SEED, SHAPES, _IdsOnly, device_tag, environment, random_model, save_json
+from pipeline.engine.config import EngineLimits, SpecConfig
+from pipeline.engine.runner import Engine
+from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.scheduler import SchedulerConfig
+from pipeline.errors import UserError
+
+IGNORE_END = -1
+CUDA_LEVELS = (1, 2, 4, 8, 16, 32, 64)
+CPU_LEVELS = (1, 4, 16)
+MIN_REQUESTS = 8
+PERCENTILES = (50, 99)
+# Limits of the random-weight engines (--shape): MT-bench prompts fit, with room for 256 new tokens.
+SHAPE_LIMITS = EngineLimits(max_batch_size=64, max_input_len=1024, max_seq_len=1536, max_draft_len=0)
+
+
+@dataclass(frozen=True)
+class Timing:
+    ttft_s: float
+    gaps_s: list[float]  # one entry per token after the first: its share of the gap it arrived in
+    total_s: float
+    tokens: int
+
+
+Client = Callable[[list[int], SamplingParams], Timing]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def in_process_client(engine: Engine) -> Client:
+    def run(ids: list[int], params: SamplingParams) -> Timing:
+        start = last = time.perf_counter()
+        ttft, gaps, tokens = 0.0, [], 0
+        for chunk in engine.stream(ids, params):
+            now = time.perf_counter()
+            if chunk.token_ids:
+                if tokens == 0:
+                    ttft = now - start
+                    gaps += [0.0] * (len(chunk.token_ids) - 1)
+                else:
+                    gaps += [(now - last) / len(chunk.token_ids)] * len(chunk.token_ids)
+                tokens += len(chunk.token_ids)
+                last = now
+        return Timing(ttft, gaps, time.perf_counter() - start, tokens)
+    return run
+
+
+def triton_client(url: str) -> Client:
+    from pipeline.client.client import Sampling, generate_ids
+
+    def run(ids: list[int], params: SamplingParams) -> Timing:
+        reply = generate_ids(url, ids, Sampling(max_tokens=params.max_tokens, temperature=params.temperature or None,
+                                                seed=params.seed, end_id=IGNORE_END), stream=True)
+        tokens = len(reply.output_ids)
+        per_chunk = max(1, reply.responses - 1)
+        share = (tokens - 1) / per_chunk if tokens > 1 else 1
+        gaps = [g / share for g in reply.inter_token_latencies_s for _ in range(round(share))]
+        return Timing(reply.ttft_s, gaps, reply.total_s, tokens)
+    return run
+
+
+def run_level(client: Client, prompts: list[list[int]], concurrency: int, params: SamplingParams,
+              min_requests: int) -> dict[str, Any]:
+    total = max(2 * concurrency, min_requests)
+    lock = threading.Lock()
+    queue = list(range(total))
+    timings: list[Timing] = []
+    errors: list[str] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                i = queue.pop(0)
+            seeded = SamplingParams(**{**params.__dict__, "seed": SEED + i}) if params.temperature else params
+            try:
+                timing = client(prompts[i % len(prompts)], seeded)
+            except Exception as exc:  # noqa: BLE001 - counted and reported, the sweep goes on
+                with lock:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            with lock:
+                timings.append(timing)
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    tokens = sum(t.tokens for t in timings)
+    ttft = [t.ttft_s * 1e3 for t in timings]
+    itl = [g * 1e3 for t in timings for g in t.gaps_s]
+    out: dict[str, Any] = {"concurrency": concurrency, "requests": len(timings), "errors": errors,
+                           "output_tokens": tokens, "seconds": wall, "output_tokens_per_s": tokens / wall}
+    for q in PERCENTILES:
+        out[f"ttft_ms_p{q}"] = percentile(ttft, q)
+        out[f"itl_ms_p{q}"] = percentile(itl, q)
+    if torch.cuda.is_available():
+        out["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return out
+
+
+def sweep(client: Client, prompts: list[list[int]], levels: tuple[int, ...], params: SamplingParams,
+          min_requests: int, label: str) -> list[dict[str, Any]]:
+    client(prompts[0], SamplingParams(max_tokens=8, end_id=IGNORE_END))  # first-use costs out of the numbers
+    rows = []
+    for c in levels:
+        row = run_level(client, prompts, c, params, min_requests)
+        rows.append(row)
+        print(f"{label:>24}  C={c:>3}  {row['output_tokens_per_s']:9.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:8.1f} "
+              f"p99 {row['ttft_ms_p99']:8.1f} ms  ITL p50 {row['itl_ms_p50']:6.2f} p99 {row['itl_ms_p99']:6.2f} ms"
+              + (f"  errors {len(row['errors'])}" if row["errors"] else ""), flush=True)
+    return rows
+
+
+def plot(results: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, rows in results.items():
+        cs = [r["concurrency"] for r in rows]
+        left.plot(cs, [r["output_tokens_per_s"] for r in rows], marker="o", label=label)
+        right.plot(cs, [r["ttft_ms_p50"] for r in rows], marker="o", label=f"{label} p50")
+        right.plot(cs, [r["ttft_ms_p99"] for r in rows], marker="x", linestyle="--", label=f"{label} p99")
+    for ax, ylabel in ((left, "output tokens/s"), (right, "time to first token (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
+    serving = SchedulerConfig(max_batch_size=args.max_batch_size, batched=not args.single_stream)
+    if args.shape:
+        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        model = random_model(SHAPES[args.shape], torch.device(args.device), dtype)
+        limits = EngineLimits(args.max_batch_size or SHAPE_LIMITS.max_batch_size, SHAPE_LIMITS.max_input_len,
+                              SHAPE_LIMITS.max_seq_len, 0)
+        engine = Engine(model, _IdsOnly(), limits, SpecConfig(), serving=serving)
+        engine.warm_up()
+        return engine, f"{args.shape}-random", None
+    engine = Engine.from_dir(args.engine, device=args.device, serving=serving)
+    return engine, args.engine.name, engine.tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--engine", type=Path)
+    p.add_argument("--shape", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--concurrency", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperatures", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.0,))
+    p.add_argument("--min-requests", type=int, default=MIN_REQUESTS)
+    p.add_argument("--num-prompts", type=int, default=80)
+    p.add_argument("--prompt-ids", type=Path, default=None,
+                   help="JSON list of prompts' token ids (with --shape; see --write-prompt-ids)")
+    p.add_argument("--write-prompt-ids", type=Path, default=None,
+                   help="with --engine: write its tokenizer's ids of the prompts there, then stop")
+    p.add_argument("--max-batch-size", type=int, default=None)
+    p.add_argument("--single-stream", action="store_true", help="a plain engine off the batches (one request at a time)")
+    p.add_argument("--triton", action="store_true", help="also through the bundled tritonserver (gRPC streaming)")
+    p.add_argument("--output", type=Path, default=Path("bench"))
+    args = p.parse_args(argv)
+    if (args.engine is None) == (args.shape is None):
+        raise SystemExit("give one of --engine DIR or --shape NAME")
+    if args.engine is not None and not (args.engine / "config.json").is_file():
+        raise SystemExit(f"--engine {args.engine}: no config.json; build one with `make build-engines`")
+    levels = args.concurrency or (CUDA_LEVELS if args.device.startswith("cuda") else CPU_LEVELS)
+    engine, label, tokenizer = load_engine(args)
+    if tokenizer is None:
+        if args.prompt_ids is None:
+            raise SystemExit("--shape needs --prompt-ids FILE (written by --engine DIR --write-prompt-ids FILE)")
+        prompts = json.loads(args.prompt_ids.read_text())[:args.num_prompts]
+    else:
+        from pipeline.engine.cli import prompt_ids
+
+        chat = bool(getattr(tokenizer, "chat_template", None))
+        prompts = [prompt_ids(tokenizer, t, chat=chat) for t in load_prompts(None, args.num_prompts)]
+        if args.write_prompt_ids:
+            args.write_prompt_ids.write_text(json.dumps(prompts))
+            return 0
+    print(f"{label} on {args.device}: capacity {engine.capacity}", flush=True)
+    results: dict[str, list[dict[str, Any]]] = {}
+    for temperature in args.temperatures:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, end_id=IGNORE_END)
+        name = f"in-process T={temperature:g}"
+        results[name] = sweep(in_process_client(engine), prompts, levels, params, args.min_requests, name)
+    if args.triton:
+        results.update(run_triton(args, prompts, levels))
+    args.output.mkdir(parents=True, exist_ok=True)
+    stem = f"load-{label}-{device_tag(torch.device(args.device))}-{datetime.date.today().isoformat()}"
+    save_json(args.output / f"{stem}.json", {"label": label, "device": args.device, "max_tokens": args.max_tokens,
+                                             "capacity": engine.capacity, "environment": environment(torch.device(args.device)),
+                                             "results": results})
+    plot(results, args.output / f"{stem}.png", f"{label}, {args.device}, {args.max_tokens} new tokens")
+    print(f"wrote {args.output / stem}.json and .png")
+    return 0
+
+
+def run_triton(args: argparse.Namespace, prompts: list[list[int]], levels: tuple[int, ...]
+               ) -> dict[str, list[dict[str, Any]]]:
+    from pipeline.triton.repo import write_repository
+    from pipeline.triton.server import TritonServer, free_ports
+
+    if args.engine is None:
+        raise UserError("--triton needs --engine (the server loads an engine directory)")
+    out = {}
+    with tempfile.TemporaryDirectory() as work:
+        repo = write_repository(args.engine, Path(work) / "repo", device=args.device)
+        with open(Path(work) / "tritonserver.log", "w") as log, TritonServer(repo, free_ports(), log=log) as server:
+            for temperature in args.temperatures:
+                params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, end_id=IGNORE_END)
+                name = f"triton grpc-stream T={temperature:g}"
+                out[name] = sweep(triton_client(server.grpc_url), prompts, levels, params, args.min_requests, name)
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
