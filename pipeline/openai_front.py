@@ -2,9 +2,9 @@
 
 Each request becomes one gRPC stream to the `tensorrt_llm_bls` model (the same chain as the ensemble; in
 Triton 2.51 only a BLS request passes a client's cancel on to the engine); streamed Triton responses become
-server-sent-event chunks, and a client closing a stream's connection cancels the gRPC stream. The
-speculative metrics of the last response are returned as an extra `spec` field so a benchmark reads
-acceptance without a side channel.
+server-sent-event chunks. A client closing its connection, streaming or waiting for a whole answer, cancels
+the gRPC stream. The speculative metrics of the last response are returned as an extra `spec` field so a
+benchmark reads acceptance without a side channel.
 
 Client mistakes are answered 400 (404 for an unknown model) in OpenAI's error format before anything
 reaches Triton where the front can tell (sampling values, `n`, `stream`, a prompt over the byte limit
@@ -14,6 +14,7 @@ the preprocessing model applies); Triton's refusals are 400 too, a full engine q
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import threading
@@ -37,6 +38,7 @@ PREPROCESSING_MODEL = "preprocessing"
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 INT32_MAX = 2**31 - 1  # max_tokens travels as an INT32 input
 RETRY_AFTER_S = 1  # the Retry-After of a 503 when the engine's queue is full
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still connected
 # Phrases of the model files' errors that are not the client's fault (pipeline/triton/models/*.py, Triton):
 # gRPC streams carry an error's message but not its code.
 BUSY_MARKERS = ("busy, retry later", "shutting down")
@@ -363,9 +365,11 @@ def create_app(front: OpenAIFront) -> FastAPI:
             opts = body.get("stream_options") or {}
             return StreamingResponse(_sse(head, chat, first, events, opts), media_type="text/event-stream")
         try:
-            items = [first] + [item async for item in events]
+            items = await _unless_disconnected(request, _collect(first, events))
         except InferenceServerException as exc:
             return triton_error(exc)
+        if items is None:  # the client left; the gRPC stream was cancelled
+            return error_response(499, "client closed the connection")
         text = "".join(piece for piece, _, _ in items)
         _, finish, extras = items[-1]
         extras = {"usage": extras["usage"], "spec": extras.get("spec")}
@@ -381,6 +385,25 @@ def create_app(front: OpenAIFront) -> FastAPI:
         return await handle(request, chat=True)
 
     return app
+
+
+async def _collect(first: tuple, events: AsyncIterator[tuple]) -> list[tuple]:
+    return [first] + [item async for item in events]
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Any:
+    """Await `work`, or cancel it (which cancels its gRPC stream, so the engine stops) and return None once
+    the client has closed the connection; checked every DISCONNECT_POLL_S."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
 
 
 async def _sse(head: dict[str, Any], chat: bool, first: tuple, events: AsyncIterator[tuple], opts: dict[str, Any]) -> AsyncIterator[str]:

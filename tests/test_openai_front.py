@@ -12,7 +12,7 @@ import uvicorn
 
 from pipeline.bench.stream_client import completion_request, stream_completion
 from pipeline.convert.tiny import make_tiny_model
-from pipeline.openai_front import StopMatcher, build_app
+from pipeline.openai_front import RETRY_AFTER_S, StopMatcher, build_app, error_response, triton_status
 from pipeline.triton.repo import write_repository
 from pipeline.triton.server import TritonServer, free_port
 from tests.conftest import convert_and_build
@@ -26,6 +26,7 @@ READY_TIMEOUT_S = 30.0
 # cancelled request, a loaded machine).
 LONG_MAX_TOKENS = 400
 SLOWDOWN_ALLOWED, SLACK_S = 3.0, 2.0
+GIVE_UP_S = 1.0  # a non-streaming client's read timeout, well before the long request would end
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +172,13 @@ def test_a_closed_stream_stops_the_engine(front):
     _post(base, "/v1/completions", body)
     assert time.monotonic() - start < baseline * SLOWDOWN_ALLOWED + SLACK_S
 
+    # A non-streaming request whose client gives up: the front notices the closed connection.
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{base}/v1/completions", json={**long, "stream": False}, timeout=GIVE_UP_S)
+    start = time.monotonic()
+    _post(base, "/v1/completions", body)
+    assert time.monotonic() - start < baseline * SLOWDOWN_ALLOWED + SLACK_S
+
 
 def test_stop_strings_cut_the_text(front):
     base, _ = front
@@ -192,3 +200,17 @@ def test_stop_matcher_holds_back_a_partial_stop():
     assert m.stopped
     free = StopMatcher(())
     assert free.feed("abc") == "abc" and free.flush() == "" and not free.stopped
+
+
+def test_triton_errors_map_to_http_statuses():
+    """The engine's full queue (EngineBusy, answered by the engine model as "busy, retry later") is a 503
+    with Retry-After; a server fault 500; the models' refusals 400. Tested on the messages: the engine
+    does not raise EngineBusy yet, so no request can be made busy end to end."""
+    assert triton_status("tensorrt_llm: busy, retry later (queue full)") == 503
+    assert triton_status("tensorrt_llm: the server is shutting down; retry on another or later") == 503
+    assert triton_status("in ensemble 'ensemble', Stub process 'tensorrt_llm_0_0' is not healthy.") == 500
+    assert triton_status("tensorrt_llm: internal error: RuntimeError: x") == 500
+    assert triton_status("tensorrt_llm: max_tokens must be >= 1, got 0") == 400
+    busy = error_response(503, "Triton: tensorrt_llm: busy, retry later")
+    assert busy.status_code == 503 and busy.headers["retry-after"] == str(RETRY_AFTER_S)
+    assert json.loads(busy.body)["error"]["type"] == "server_overloaded"

@@ -48,7 +48,7 @@ PASSTHROUGH_OUTPUTS = (
     "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens", "num_output_tokens")
 
 DEFAULT_NUM_DRAFT_TOKENS = 4  # draft-model speculation when the request sends no num_draft_tokens
-CANCEL_POLL_S = 0.05  # how often a running request's cancel flag is read
+CANCEL_POLL_S = 0.1  # how often a running request's cancel flag is read (one message to the server each)
 # Request parameters Triton's front ends set themselves; any other parameter is an input name the model
 # does not have (the HTTP generate endpoint turns unknown JSON fields into parameters).
 FRONTEND_PARAMETER_PREFIX = "triton_"
@@ -107,6 +107,10 @@ class CancelWatcher:
         return self
 
     def __exit__(self, *exc):
+        self.finish()
+
+    def finish(self):
+        """Stop watching; called before the final response, after which the request must not be read."""
         self.done.set()
         self.thread.join()
 
@@ -293,8 +297,10 @@ class TritonPythonModel:
             if streaming:
                 _send(sender, pb_utils.InferenceResponse(output_tensors=outputs))
             else:
+                watcher.finish()
                 _send(sender, pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
                 return
+        watcher.finish()
         if watcher.cancelled:
             raise BlsError("tensorrt_llm_bls: cancelled", pb_utils.TritonError.CANCELLED)
         _send(sender, flags=FINAL)
