@@ -6,14 +6,15 @@ is forwarded with the final flag (non-streaming). Self-contained so it also runs
 
 Cancellation: Triton 2.51 neither passes a client's cancel on to a BLS request already running nor lets a
 BLS cancel one, so while the engine model runs, a watcher polls this request's cancel flag and, once it is
-set, sends the engine model a stop request (`stop` true, the running request's id), as TensorRT-LLM's
-backend takes them; the engine then ends the request at its next step.
+set, answers the client CANCELLED and sends the engine model a stop request (`stop` true, the running
+request's id), as TensorRT-LLM's backend takes them; the engine then ends the request at its next step.
 """
 
 import json
 import os
 import sys
 import threading
+import time
 import traceback
 import uuid
 
@@ -48,6 +49,7 @@ PASSTHROUGH_OUTPUTS = (
     "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens", "num_output_tokens")
 
 DEFAULT_NUM_DRAFT_TOKENS = 4  # draft-model speculation when the request sends no num_draft_tokens
+FINALIZE_DEADLINE_S = 3.0  # how long unloading waits for running requests
 CANCEL_POLL_S = 0.1  # how often a running request's cancel flag is read (one message to the server each)
 # Request parameters Triton's front ends set themselves; any other parameter is an input name the model
 # does not have (the HTTP generate endpoint turns unknown JSON fields into parameters).
@@ -91,11 +93,39 @@ def unknown_inputs(request):
     return sorted(name for name in params if not name.startswith(FRONTEND_PARAMETER_PREFIX))
 
 
+class Reply:
+    """One request's response sender, shared by its worker and its cancel watcher: closed by the first
+    final response, after which neither sends nor reads the request (Triton has released it)."""
+
+    def __init__(self, request):
+        self.request = request
+        self.sender = request.get_response_sender()
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def send(self, response=None, flags=0):
+        with self.lock:
+            if self.closed:
+                return
+            _send(self.sender, response, flags)
+            self.closed = bool(flags & FINAL)
+
+    def cancel_if_asked(self):
+        """Answer CANCELLED if the client cancelled and nothing final was sent; True if it did."""
+        with self.lock:
+            if self.closed or not self.request.is_cancelled():
+                return False
+            error = pb_utils.TritonError("tensorrt_llm_bls: cancelled", pb_utils.TritonError.CANCELLED)
+            _send(self.sender, pb_utils.InferenceResponse(error=error), flags=FINAL)
+            self.closed = True
+            return True
+
+
 class CancelWatcher:
     """While the engine model runs one request for this BLS request, stop it once the client cancels."""
 
-    def __init__(self, request, engine_model):
-        self.request = request
+    def __init__(self, reply, engine_model):
+        self.reply = reply
         self.engine_model = engine_model
         self.inner_id = uuid.uuid4().hex
         self.done = threading.Event()
@@ -110,13 +140,16 @@ class CancelWatcher:
         self.finish()
 
     def finish(self):
-        """Stop watching; called before the final response, after which the request must not be read."""
         self.done.set()
         self.thread.join()
 
     def _watch(self):
+        # Triton 2.51 does not deliver the engine model's last response to a BLS request whose own request
+        # was cancelled, so the worker may never see its stream end: the watcher answers the client.
         while not self.done.wait(CANCEL_POLL_S):
-            if self.request.is_cancelled():
+            if self.reply.closed:
+                return
+            if self.reply.cancel_if_asked():
                 self.cancelled = True
                 self._send_stop()
                 return
@@ -163,30 +196,33 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        """Wait for running requests (the engine model ends them on its own unload), then leave the process
-        at once: the interpreter's teardown takes seconds, which pushed tritonserver past its exit timeout."""
+        """Wait up to FINALIZE_DEADLINE_S for running requests (the engine model ends them on its own unload;
+        a worker whose request was cancelled may wait forever for a response Triton does not deliver), then
+        leave the process at once: the interpreter's teardown takes seconds, which pushed tritonserver past
+        its exit timeout."""
+        deadline = time.monotonic() + FINALIZE_DEADLINE_S
         with self.workers_lock:
             workers = list(self.workers)
         for worker in workers:
-            worker.join()
+            worker.join(max(0.0, deadline - time.monotonic()))
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
 
     def _serve(self, request):
-        sender = request.get_response_sender()
+        reply = Reply(request)
         try:
             unknown = unknown_inputs(request)
             if unknown:
                 raise BlsError(f"tensorrt_llm_bls: unknown input(s) {', '.join(map(repr, unknown))}; "
                                "see the model's inputs at /v2/models/tensorrt_llm_bls/config",
                                pb_utils.TritonError.INVALID_ARG)
-            self._generate(request, sender)
+            self._generate(request, reply)
         except BlsError as exc:
-            _send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), exc.code)), flags=FINAL)
+            reply.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), exc.code)), flags=FINAL)
         except Exception as exc:  # a bug must still end the request; the server keeps serving others
             traceback.print_exc()
-            _send(sender, pb_utils.InferenceResponse(
+            reply.send(pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"tensorrt_llm_bls: internal error: {type(exc).__name__}: {exc}")),
                 flags=FINAL)
         finally:
@@ -227,7 +263,7 @@ class TritonPythonModel:
                 new.extend(ids_tensor.as_numpy().reshape(-1).tolist())
         return new
 
-    def _speculate(self, request, sender, streaming):
+    def _speculate(self, request, reply, streaming):
         """Draft-target speculation as TensorRT-LLM's BLS runs it: the draft model proposes up to
         num_draft_tokens, the target verifies them (draft_input_ids) and returns the accepted ones
         plus its own next token; repeat until max_tokens or the end id."""
@@ -239,8 +275,8 @@ class TritonPythonModel:
         k = int(num_draft.reshape(-1)[0]) if num_draft is not None else self.num_draft_tokens
         out = []
         while len(out) < max_tokens and not (out and out[-1] == end_id):
-            if request.is_cancelled():
-                raise BlsError("tensorrt_llm_bls: cancelled", pb_utils.TritonError.CANCELLED)
+            if reply.cancel_if_asked():
+                return
             remaining = max_tokens - len(out)
             drafts = self._call(self.draft_model, inputs, prompt + out, min(k, remaining - 1)) if remaining > 1 and k > 0 else []
             if end_id in drafts:
@@ -250,11 +286,11 @@ class TritonPythonModel:
                 new = new[: new.index(end_id) + 1]
             out += new
             if streaming and new:
-                _send(sender, pb_utils.InferenceResponse(output_tensors=[self._text(new)]))
+                reply.send(pb_utils.InferenceResponse(output_tensors=[self._text(new)]))
         if streaming:
-            _send(sender, flags=FINAL)
+            reply.send(flags=FINAL)
         else:
-            _send(sender, pb_utils.InferenceResponse(output_tensors=[self._text(out)]), flags=FINAL)
+            reply.send(pb_utils.InferenceResponse(output_tensors=[self._text(out)]), flags=FINAL)
 
     def _text(self, ids):
         tokens = np.array(ids, dtype=np.int32).reshape(1, 1, -1)
@@ -266,20 +302,20 @@ class TritonPythonModel:
             inputs=[pb_utils.Tensor("TOKENS_BATCH", tokens), pb_utils.Tensor("SEQUENCE_LENGTH", lengths)]))
         return pb_utils.get_output_tensor_by_name(post, "OUTPUT").as_numpy()
 
-    def _generate(self, request, sender):
+    def _generate(self, request, reply):
         stream_flag = _input(request, "stream")
         streaming = stream_flag is not None and bool(stream_flag.reshape(-1)[0])
         if self.draft_model:
-            return self._speculate(request, sender, streaming)
-        with CancelWatcher(request, self.engine_model) as watcher:
-            self._forward(request, sender, streaming, watcher)
+            return self._speculate(request, reply, streaming)
+        with CancelWatcher(reply, self.engine_model) as watcher:
+            self._forward(request, reply, streaming, watcher)
 
-    def _forward(self, request, sender, streaming, watcher):
-        """The engine model's responses, detokenized, to the client; after a cancel only drained."""
+    def _forward(self, request, reply, streaming, watcher):
+        """The engine model's responses, detokenized, to the client, until the watcher sees a cancel."""
         accumulated = None
         for response in self._engine_request(request, watcher.inner_id).exec(decoupled=True):
             if watcher.cancelled:
-                continue  # the engine model ends the request at its next step; its responses go nowhere
+                return  # the watcher has answered the client and stopped the request in the engine model
             if response.has_error():
                 _raise_error(response)
             ids_tensor = pb_utils.get_output_tensor_by_name(response, "output_ids")
@@ -295,12 +331,8 @@ class TritonPythonModel:
             outputs += [t for name in PASSTHROUGH_OUTPUTS
                         if (t := pb_utils.get_output_tensor_by_name(response, name)) is not None]
             if streaming:
-                _send(sender, pb_utils.InferenceResponse(output_tensors=outputs))
+                reply.send(pb_utils.InferenceResponse(output_tensors=outputs))
             else:
-                watcher.finish()
-                _send(sender, pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
+                reply.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
                 return
-        watcher.finish()
-        if watcher.cancelled:
-            raise BlsError("tensorrt_llm_bls: cancelled", pb_utils.TritonError.CANCELLED)
-        _send(sender, flags=FINAL)
+        reply.send(flags=FINAL)
