@@ -8,6 +8,7 @@ backend folder holding the Python backend with the stub built for the running Py
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import os
 import resource
@@ -308,13 +309,17 @@ class TritonServer:
         if self.watchdog is not None:
             self.watchdog.stopping.set()
         if self.process is not None and self.process.poll() is None:
-            # tritonserver alone: it finalizes its stubs itself; the group is killed only if it hangs.
+            # tritonserver alone: it finalizes its stubs itself.
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
+                pass
+        if self.process is not None:
+            # Stubs still running after tritonserver ended (it gave up on an unload) would outlive it.
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+            self.process.wait()
         if self._log_thread is not None:
             self._log_thread.join(timeout=STOP_TIMEOUT_S)
         self.remove_shm()
