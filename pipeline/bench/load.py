@@ -41,6 +41,8 @@ IGNORE_END = -1
 CUDA_LEVELS = (1, 2, 4, 8, 16, 32, 64)
 CPU_LEVELS = (1, 4, 16)
 MIN_REQUESTS = 8
+BANDWIDTH_BYTES = 1 << 31
+BANDWIDTH_REPEATS = 20
 PERCENTILES = (50, 99)
 # Limits of the random-weight engines (--shape): MT-bench prompts fit, with room for 256 new tokens.
 SHAPE_LIMITS = EngineLimits(max_batch_size=64, max_input_len=1024, max_seq_len=1536, max_draft_len=0)
@@ -179,6 +181,20 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path, title: str) -> No
     plt.close(fig)
 
 
+def bytes_floor(engine: Engine, prompts: list[list[int]], args: argparse.Namespace) -> Callable[[int], float]:
+    """ms a decode step of C rows needs at least: every weight once plus each row's KV (at the mean prompt
+    plus half the reply) read at the device's measured bandwidth."""
+    from pipeline.bench.speed import measure_bandwidth, streamed_bytes
+
+    bandwidth = measure_bandwidth(engine.device, BANDWIDTH_BYTES, BANDWIDTH_REPEATS)
+    best = max(bandwidth["copy_gbps"], bandwidth["read_gbps"]) * 1e9
+    cfg = engine.target.cfg
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * engine.target.lm_head.weight.element_size()
+    context = statistics.mean(len(p) for p in prompts) + args.max_tokens / 2
+    weights = streamed_bytes(engine.target)
+    return lambda c: (weights + c * context * kv_per_token) / best * 1e3
+
+
 def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
     serving = SchedulerConfig(max_batch_size=args.max_batch_size, batched=not args.single_stream)
     if args.shape:
@@ -187,7 +203,7 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
         limits = EngineLimits(args.max_batch_size or SHAPE_LIMITS.max_batch_size, SHAPE_LIMITS.max_input_len,
                               SHAPE_LIMITS.max_seq_len, 0)
         engine = Engine(model, _IdsOnly(), limits, SpecConfig(), serving=serving)
-        engine.warm_up()
+        engine.warm_up(tuple(1.0 if t else 0.0 for t in args.temperatures))
         return engine, f"{args.shape}-random", None
     engine = Engine.from_dir(args.engine, device=args.device, serving=serving)
     return engine, args.engine.name, engine.tokenizer
@@ -238,6 +254,14 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = sweep(in_process_client(engine), prompts, levels, params, args.min_requests, name)
     if args.triton:
         results.update(run_triton(args, prompts, levels))
+    floor = bytes_floor(engine, prompts, args) if args.shape and args.device.startswith("cuda") else None
+    if floor is not None:
+        for rows in results.values():
+            for row in rows:
+                row["floor_step_ms"] = floor(row["concurrency"])
+                row["step_over_floor"] = row["itl_ms_p50"] / row["floor_step_ms"]
+                print(f"C={row['concurrency']:>3}: step (ITL p50) {row['itl_ms_p50']:.3f} ms, bytes floor "
+                      f"{row['floor_step_ms']:.3f} ms: {row['step_over_floor']:.2f}x", flush=True)
     args.output.mkdir(parents=True, exist_ok=True)
     stem = f"load-{label}-{device_tag(torch.device(args.device))}-{datetime.date.today().isoformat()}"
     save_json(args.output / f"{stem}.json", {"label": label, "device": args.device, "max_tokens": args.max_tokens,

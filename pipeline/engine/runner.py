@@ -145,15 +145,15 @@ class Engine:
         # The caller's thread may not be the one that decodes (the scheduler's): see cpu_threads.
         return on_own_thread(load_engine, engine_dir, target, dtype, serving)
 
-    def warm_up(self) -> None:
+    def warm_up(self, temperatures: tuple[float, ...] = (0.0, 1.0)) -> None:
         """Compile and capture the decode and verification graphs now rather than inside the first
         request (on CUDA that takes seconds to a minute; torch.compile's disk cache shortens later starts),
         with one request a prompt bucket so that every prefill graph exists too."""
         if self.device.type != "cuda":
             return
-        if self.batched:  # every batch bucket's decode graph, greedy and sampled
+        if self.batched:  # every batch bucket's decode graph, greedy and sampled (by default)
             for rows in self.scheduler.step.buckets:
-                for temperature in (0.0, 1.0):
+                for temperature in temperatures:
                     params = SamplingParams(max_tokens=WARMUP_NEW_TOKENS, temperature=temperature, seed=0, end_id=-1)
                     streams = [self.stream([0], params) for _ in range(rows)]
                     for chunks in streams:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pipeline.engine.kv_cache import CacheBudget
+from pipeline.engine.readback import Pending
 from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
 from pipeline.engine.sampling import SEED_LIMIT, EngineBusy, SamplingParams
 from pipeline.engine.stats import SpecStats
@@ -63,13 +64,22 @@ class Request:
     table: list[int] = field(default_factory=list)  # pool blocks, in sequence order
     out: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
-    cached: int = 0  # tokens whose KV is in the pool
+    cached: int = 0  # tokens whose KV is in the pool (or will be, once the step in flight has run)
+    pending: int = 0  # decode steps queued for this request whose token the host has not read
+    done: bool = False  # finished or cancelled: its blocks are back in the pool
     worst_blocks: int = 0  # blocks the request may come to hold
     cancelled: bool = False
 
     @property
     def prefilled(self) -> bool:
         return self.cached >= len(self.prompt_ids)
+
+
+@dataclass
+class _Inflight:
+    rows: list[Request]
+    tokens: torch.Tensor  # [rows] on the device
+    host: Pending  # the same, on their way to the host
 
 
 class Scheduler:
@@ -87,6 +97,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.lock = threading.Condition()
         self.thread: threading.Thread | None = None
+        self.inflight: _Inflight | None = None  # the decode step queued on the device, not read yet
 
     # -- the caller's side ----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
@@ -134,6 +145,7 @@ class Scheduler:
             with self.lock:
                 self._drop_cancelled()
                 if not self.waiting and not self.running:
+                    self.inflight = None  # only finished rows' steps can be left: nothing to read
                     self.thread = None  # idle: the next request starts another thread
                     return
                 if self.serial is None:
@@ -146,7 +158,7 @@ class Scheduler:
                         self._iterate()
             except Exception as exc:  # a failed step ends every request in it, loudly; the engine keeps serving
                 with self.lock:
-                    failed, self.running = self.running, []
+                    failed, self.running, self.inflight = self.running, [], None
                 for request in failed:
                     self._finish(request, exc)
 
@@ -169,10 +181,13 @@ class Scheduler:
     def _iterate(self) -> None:
         prefilling = next((r for r in self.running if not r.prefilled), None)
         if prefilling is not None:
+            self._read_inflight()  # the prefill reads its first token: settle the step queued before it
             self._prefill_chunk(prefilling)
-        decoding = [r for r in self.running if r.prefilled and r.out and r is not prefilling]
-        if decoding:
-            self._decode(decoding)
+        decoding = [r for r in self.running if r.prefilled and (r.out or r.pending) and not r.done
+                    and len(r.out) + r.pending < r.params.max_tokens and r is not prefilling]
+        launched = self._launch(decoding) if decoding else None
+        self._read_inflight()  # the step before: read while the one just launched runs
+        self.inflight = launched
 
     def _prefill_chunk(self, r: Request) -> None:
         start = r.cached
@@ -184,15 +199,37 @@ class Scheduler:
         if token is not None:
             self._emit([r], token.tolist(), counts_step=False)
 
-    def _decode(self, rows: list[Request]) -> None:
-        for r in rows:
+    def _launch(self, rows: list[Request]) -> "_Inflight":
+        """Queue one decode step for `rows`. A row still waiting for the step in flight takes that step's
+        token on the device, so the step is queued before the host has read the one before it."""
+        previous = self.inflight
+        carried = []  # (row in this step, row in the step in flight)
+        for i, r in enumerate(rows):
             self.pool.grow(r.table, r.cached + 1)
             r.ints[TABLE:TABLE + len(r.table)] = r.table
-            r.ints[TOKEN], r.ints[POSITION] = r.out[-1], r.cached
-        tokens = self.step.decode(np.stack([r.ints for r in rows]), np.stack([r.floats for r in rows]))
+            r.ints[POSITION] = r.cached
+            if r.pending:
+                assert previous is not None
+                carried.append((i, previous.rows.index(r)))
+            else:
+                r.ints[TOKEN] = r.out[-1]
+        tokens = self.step.decode(np.stack([r.ints for r in rows]), np.stack([r.floats for r in rows]),
+                                  previous.tokens if carried else None, carried)
         for r in rows:
             r.cached += 1
-        self._emit(rows, tokens.tolist(), counts_step=True)  # the step's one host sync
+            r.pending += 1
+        return _Inflight(rows, tokens, self.step.readback.start(tokens))
+
+    def _read_inflight(self) -> None:
+        """The step in flight's tokens to the host (the step's one sync), emitted."""
+        inflight, self.inflight = self.inflight, None
+        if inflight is None:
+            return
+        tokens = inflight.host.read()
+        for r in inflight.rows:
+            r.pending -= 1
+        live = [(r, t) for r, t in zip(inflight.rows, tokens) if not r.done]
+        self._emit([r for r, _ in live], [t for _, t in live], counts_step=True)
 
     def _emit(self, rows: list[Request], tokens: list[int], counts_step: bool) -> None:
         """Each row's new token through its stop conditions; one chunk each; finished rows leave."""
@@ -210,6 +247,8 @@ class Scheduler:
                 r.chunks.put(StreamChunk(new, False))
 
     def _release(self, r: Request) -> None:
+        # A step still in flight may write this request's blocks: it was queued before any later owner's work.
+        r.done = True
         self.pool.release(r.table)
         if r in self.running:
             self.running.remove(r)

@@ -16,6 +16,7 @@ import torch
 from pipeline.engine.graphs import CapturedStep, Compiled, prefill_bucket
 from pipeline.engine.kv_cache import SCRATCH_BLOCK, BlockPool, PagedView
 from pipeline.engine.model import Transformer, paged_context
+from pipeline.engine.readback import Readback
 from pipeline.engine.sampling import argmax_rows, sample_rows
 
 # Batch buckets of the decode graphs: each step pads its rows to the next one.
@@ -68,6 +69,7 @@ class BatchStep:
         self.compiled = Compiled(self._decode, None if self.capture else False)
         self.buffers = {b: _Buffers(b, self.max_blocks, self.device) for b in self.buckets} if self.capture else {}
         self.graphs: dict[tuple[int, str], CapturedStep] = {}
+        self.readback = Readback()  # a step's tokens on their way to the host while the next step runs
         self.prefill_buffers: dict[int, _PrefillBuffers] = {}
         self.prefill_graphs: dict[tuple[int, str], CapturedStep] = {}
 
@@ -75,14 +77,19 @@ class BatchStep:
         """A request's step inputs (ints, floats), kept by the scheduler and updated in place."""
         return np.zeros(TABLE + self.max_blocks, dtype=np.int64), np.zeros(2, dtype=np.float32)
 
-    def decode(self, ints: np.ndarray, floats: np.ndarray) -> torch.Tensor:
+    def decode(self, ints: np.ndarray, floats: np.ndarray, device_tokens: torch.Tensor | None = None,
+               carried: list[tuple[int, int]] = ()) -> torch.Tensor:
         """One token a row: ints [B, TABLE + blocks] and floats [B, 2] as laid out above (each row's table
-        already holds its new token's slot) -> [B] next tokens on the device."""
+        already holds its new token's slot) -> [B] next tokens on the device. Row i of each (i, j) in
+        `carried` feeds device_tokens[j] instead of its TOKEN column (the output of a step the host has
+        not read yet)."""
         rows = ints.shape[0]
         mode = step_mode(floats, ints)
         if not self.capture:
+            inputs = torch.from_numpy(ints)
+            self._carry(inputs, device_tokens, carried)
             attn_len = int(ints[:, POSITION].max()) + 1
-            return self.compiled(torch.from_numpy(ints), torch.from_numpy(floats), attn_len, mode)
+            return self.compiled(inputs, torch.from_numpy(floats), attn_len, mode)
         bucket = next(b for b in self.buckets if b >= rows)
         x = self.buffers[bucket]
         host_ints, host_floats = x.host_ints.numpy(), x.host_floats.numpy()
@@ -91,11 +98,19 @@ class BatchStep:
         host_floats[rows:] = (0.0, 1.0)
         x.ints.copy_(x.host_ints, non_blocking=True)
         x.floats.copy_(x.host_floats, non_blocking=True)
+        self._carry(x.ints, device_tokens, carried)
         key = (bucket, mode)
         if key not in self.graphs:
             self.graphs[key] = CapturedStep(lambda: self.compiled(x.ints, x.floats, self.max_seq_len, mode),
                                             self.pool_handle)
         return self.graphs[key]()[:rows]
+
+    def _carry(self, ints: torch.Tensor, device_tokens: torch.Tensor | None, carried: list[tuple[int, int]]) -> None:
+        if not carried:
+            return
+        dst, src = zip(*carried)
+        index = torch.tensor((dst, src), device="cpu").to(ints.device, non_blocking=True)
+        ints[:, TOKEN].index_copy_(0, index[0], device_tokens.index_select(0, index[1]))
 
     def _decode(self, ints: torch.Tensor, floats: torch.Tensor, attn_len: int, mode: str) -> torch.Tensor:
         tokens, top_k, seeds, table = ints[:, TOKEN], ints[:, TOP_K], ints[:, SEED], ints[:, TABLE:]
