@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _missing(package: str) -> Callable[[argparse.Namespace], int]:
     def fail(args: argparse.Namespace) -> int:
         raise UserError(f"needs the Python package {package}, which is not installed; run `make setup`")
+
     return fail
 
 

@@ -182,10 +182,17 @@ class TritonEnsemble:
         queue: asyncio.Queue[tuple[Any, Any]] = asyncio.Queue()
         client = grpcclient.InferenceServerClient(self.url)
         client.start_stream(callback=lambda result, error: loop.call_soon_threadsafe(queue.put_nowait, (result, error)))
-        wanted_outputs = [grpcclient.InferRequestedOutput(n) for n in ("text_output", *SCALAR_OUTPUTS) if n in self.outputs]
+        wanted_outputs = [
+            grpcclient.InferRequestedOutput(n) for n in ("text_output", *SCALAR_OUTPUTS) if n in self.outputs
+        ]
         try:
-            client.async_stream_infer(self.model, self.request_inputs(prompt, s, end_id), outputs=wanted_outputs,
-                                      request_id=uuid.uuid4().hex, enable_empty_final_response=self.decoupled)
+            client.async_stream_infer(
+                self.model,
+                self.request_inputs(prompt, s, end_id),
+                outputs=wanted_outputs,
+                request_id=uuid.uuid4().hex,
+                enable_empty_final_response=self.decoupled,
+            )
             while True:
                 result, error = await queue.get()
                 if error is not None:
@@ -210,7 +217,9 @@ def _delta(result: Any) -> TritonDelta:
     names = {o.name for o in response.outputs}
     text = ""
     if "text_output" in names:
-        text = "".join(x.decode() if isinstance(x, bytes) else str(x) for x in result.as_numpy("text_output").reshape(-1))
+        text = "".join(
+            x.decode() if isinstance(x, bytes) else str(x) for x in result.as_numpy("text_output").reshape(-1)
+        )
     extra = {n: float(result.as_numpy(n).reshape(-1)[0]) for n in SCALAR_OUTPUTS if n in names}
     return TritonDelta(text, final, extra)
 
@@ -233,8 +242,9 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 503: 
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": None,
-                      "code": status}}
+    return {
+        "error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": None, "code": status}
+    }
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -269,8 +279,10 @@ class OpenAIFront:
     def check_prompt_bytes(self, text: str) -> None:
         size = len(text.encode("utf-8"))
         if size > self.max_prompt_bytes:
-            raise RequestError(f"the prompt has {size} bytes, over the {self.max_prompt_bytes} that "
-                               f"{self.backend.max_input_len} tokens (the engine's max_input_len) can hold")
+            raise RequestError(
+                f"the prompt has {size} bytes, over the {self.max_prompt_bytes} that "
+                f"{self.backend.max_input_len} tokens (the engine's max_input_len) can hold"
+            )
 
     def count_tokens(self, text: str, special: bool) -> int:
         return len(self.tokenizer(text, add_special_tokens=special)["input_ids"])
@@ -278,7 +290,11 @@ class OpenAIFront:
     def prompt_of(self, body: dict[str, Any], chat: bool) -> str:
         if chat:
             messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "content" in m for m in messages):
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(isinstance(m, dict) and "content" in m for m in messages)
+            ):
                 raise RequestError("'messages' must be a non-empty list of {role, content} objects")
             self.check_prompt_bytes("".join(str(m["content"]) for m in messages))
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -350,10 +366,18 @@ def create_app(front: OpenAIFront) -> FastAPI:
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object")
         if body.get("model") not in (None, front.model_name):
-            return JSONResponse(error_body(404, f"model {body['model']!r} does not exist; this server serves "
-                                                f"{front.model_name!r} (GET /v1/models)"), status_code=404)
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": front.model_name}
+            return JSONResponse(
+                error_body(
+                    404,
+                    f"model {body['model']!r} does not exist; this server serves {front.model_name!r} (GET /v1/models)",
+                ),
+                status_code=404,
+            )
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": front.model_name,
+        }
         events = front.run(body, chat)
         try:
             first = await events.__anext__()  # surfaces request and Triton errors before any bytes are sent
@@ -406,7 +430,9 @@ async def _unless_disconnected(request: Request, work: Any) -> Any:
             return None
 
 
-async def _sse(head: dict[str, Any], chat: bool, first: tuple, events: AsyncIterator[tuple], opts: dict[str, Any]) -> AsyncIterator[str]:
+async def _sse(
+    head: dict[str, Any], chat: bool, first: tuple, events: AsyncIterator[tuple], opts: dict[str, Any]
+) -> AsyncIterator[str]:
     """Server-sent events: one chunk per text delta, `spec` on the finishing chunk, optional usage."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     every_usage = bool(opts.get("continuous_usage_stats"))
@@ -450,8 +476,10 @@ def connect(triton_grpc_url: str, model: str = BACKEND_MODEL) -> TritonEnsemble:
     try:
         return TritonEnsemble(triton_grpc_url, model)
     except InferenceServerException as exc:
-        raise UserError(f"Triton at {triton_grpc_url}: cannot read model {model!r} ({exc.message()}); "
-                        "start the server first and check the gRPC port") from None
+        raise UserError(
+            f"Triton at {triton_grpc_url}: cannot read model {model!r} ({exc.message()}); "
+            "start the server first and check the gRPC port"
+        ) from None
 
 
 def build_app(triton_grpc_url: str, model_name: str, tokenizer_dir: Path) -> FastAPI:

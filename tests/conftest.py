@@ -13,10 +13,20 @@ from pipeline.convert.source import TargetSource, load_hf_model, load_target
 from pipeline.convert.tiny import make_tiny_model
 
 
-def convert_and_build(target: str | Path | TargetSource, out_root: str | Path, *, tp: int = 1, pp: int = 1,
-                      dtype: str = "float32", medusa: str | Path | None = None, eagle: str | Path | None = None,
-                      eagle3: str | Path | None = None, draft_model: str | Path | None = None,
-                      backend: str = "portable", **build_flags: Any) -> Path:
+def convert_and_build(
+    target: str | Path | TargetSource,
+    out_root: str | Path,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str = "float32",
+    medusa: str | Path | None = None,
+    eagle: str | Path | None = None,
+    eagle3: str | Path | None = None,
+    draft_model: str | Path | None = None,
+    backend: str = "portable",
+    **build_flags: Any,
+) -> Path:
     """Convert (in-process, like `specpipe convert`) into out_root/ckpt and build out_root/engine.
 
     build_flags are BuildOptions fields (max_draft_len, choices, dynamic_tree, speculative="ngram", ...);
@@ -25,15 +35,22 @@ def convert_and_build(target: str | Path | TargetSource, out_root: str | Path, *
     out_root = Path(out_root)
     convert_keys = ("num_medusa_heads", "num_eagle_layers")
     conv = {k: build_flags.pop(k) for k in convert_keys if k in build_flags}
-    drafts = DraftInputs(medusa=_str(medusa), eagle=_str(eagle), eagle3=_str(eagle3), draft_model=_str(draft_model),
-                         max_draft_len=build_flags.get("max_draft_len"),
-                         max_non_leaves_per_layer=build_flags.get("max_non_leaves_per_layer"), **conv)
+    drafts = DraftInputs(
+        medusa=_str(medusa),
+        eagle=_str(eagle),
+        eagle3=_str(eagle3),
+        draft_model=_str(draft_model),
+        max_draft_len=build_flags.get("max_draft_len"),
+        max_non_leaves_per_layer=build_flags.get("max_non_leaves_per_layer"),
+        **conv,
+    )
     ckpt = convert(target, out_root / "ckpt", dtype=dtype, tp=tp, pp=pp, drafts=drafts)
     return build_engine(ckpt, out_root / "engine", backend, BuildOptions(**build_flags))
 
 
-def stream_by_run_ahead(engine: Any, ids: list[int], requests: list[Any], aheads: tuple[int, ...]
-                        ) -> tuple[dict[tuple[int, int], tuple], dict[int, int]]:
+def stream_by_run_ahead(
+    engine: Any, ids: list[int], requests: list[Any], aheads: tuple[int, ...]
+) -> tuple[dict[tuple[int, int], tuple], dict[int, int]]:
     """Each request streamed at each run_ahead (restored to 1 after): (tokens, finish reason, steps)
     by (ahead, request index), and the largest chunk seen at each ahead. Checks that the chunks add
     up to the final result."""

@@ -8,8 +8,15 @@ import torch
 from pipeline.engine import acceptance
 from pipeline.engine.acceptance import accept_greedy, accept_sampling
 from pipeline.engine.sampling import SamplingParams, argmax_rows, target_probs
-from pipeline.engine.tree import (MC_SIM_7B_63, DraftTree, build_tree, chain_buffers, choices_to_triton, parse_choices,
-                                  validate_choices)
+from pipeline.engine.tree import (
+    MC_SIM_7B_63,
+    DraftTree,
+    build_tree,
+    chain_buffers,
+    choices_to_triton,
+    parse_choices,
+    validate_choices,
+)
 from pipeline.errors import UserError
 
 
@@ -36,14 +43,17 @@ def test_default_tree_shape_and_triton_form():
     assert parse_choices("chain:3") == [[0], [0, 0], [0, 0, 0]]
 
 
-@pytest.mark.parametrize("choices,kwargs,match", [
-    ([[0], [1, 0, 0]], {}, "no parent"),
-    ([[0], [0]], {}, "duplicate"),
-    ([], {}, "empty"),
-    ([[0], [0, 0], [0, 0, 0]], {"max_depth": 2}, "depth 3 exceeds 2"),
-    (MC_SIM_7B_63, {"max_draft_len": 32}, "63 nodes exceed max_draft_len 32"),
-    ([[0], [-1]], {}, "negative"),
-])
+@pytest.mark.parametrize(
+    "choices,kwargs,match",
+    [
+        ([[0], [1, 0, 0]], {}, "no parent"),
+        ([[0], [0]], {}, "duplicate"),
+        ([], {}, "empty"),
+        ([[0], [0, 0], [0, 0, 0]], {"max_depth": 2}, "depth 3 exceeds 2"),
+        (MC_SIM_7B_63, {"max_draft_len": 32}, "63 nodes exceed max_draft_len 32"),
+        ([[0], [-1]], {}, "negative"),
+    ],
+)
 def test_bad_choices_are_refused(choices, kwargs, match):
     with pytest.raises(UserError, match=match):
         validate_choices(choices, **kwargs)
@@ -81,8 +91,14 @@ def first_token_histogram(tree: DraftTree, logits: torch.Tensor, params: Samplin
     for _ in range(SAMPLES):
         if tree.draft_probs is not None:
             drawn = torch.multinomial(tree.draft_probs[1:], 1, generator=gen).squeeze(-1)
-            tree = DraftTree(torch.cat([tree.tokens[:1], drawn]), tree.parents, tree.depths, tree.mask,
-                             tree.max_depth, tree.draft_probs)
+            tree = DraftTree(
+                torch.cat([tree.tokens[:1], drawn]),
+                tree.parents,
+                tree.depths,
+                tree.mask,
+                tree.max_depth,
+                tree.draft_probs,
+            )
         counts[accept_sampling(tree, logits, params, gen).tokens[0]] += 1
     return counts / SAMPLES
 

@@ -15,14 +15,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_roofline_suite_reports_the_floor_the_trees_and_a_profile(tmp_path, capsys):
-    path = run_bench(BenchConfig(device="cpu", suites=("roofline",), output=tmp_path, shape="tiny",
-                                 bandwidth_bytes=2**24, decode_tokens=8, repeats=1, profile_tokens=4))
+    path = run_bench(
+        BenchConfig(
+            device="cpu",
+            suites=("roofline",),
+            output=tmp_path,
+            shape="tiny",
+            bandwidth_bytes=2**24,
+            decode_tokens=8,
+            repeats=1,
+            profile_tokens=4,
+        )
+    )
     roof = json.loads(path.read_text())["roofline"]
     assert roof["decode_tokens_per_s"] > 0 and roof["floor_tokens_per_s"] > 0
     assert min(roof["decode_tokens_per_s_runs"]) <= roof["decode_tokens_per_s"] <= max(roof["decode_tokens_per_s_runs"])
     assert roof["decode_fraction_of_floor"] == pytest.approx(roof["decode_tokens_per_s"] / roof["floor_tokens_per_s"])
     assert set(roof["verify_cost_vs_1"]) == {str(n) for n in (1, *VERIFY_TREE_SIZES)}
-    assert roof["kernel_layers"] == {"gemv_layers": 0, "fused_layers": 0, "attention_layers": 0, "draft_topk": 0}  # CPU: the library kernels everywhere
+    assert roof["kernel_layers"] == {
+        "gemv_layers": 0,
+        "fused_layers": 0,
+        "attention_layers": 0,
+        "draft_topk": 0,
+    }  # CPU: the library kernels everywhere
     assert roof["profile"]["steps"] == 3 and roof["profile"]["wall_ms_per_step"] > 0  # 4 tokens: prefill + 3 steps
     assert "aten::" in roof["profile"]["top_host_ops"]
     assert "plain decode profiled:" in capsys.readouterr().out
@@ -30,9 +45,19 @@ def test_roofline_suite_reports_the_floor_the_trees_and_a_profile(tmp_path, caps
 
 @pytest.mark.parametrize("interleave", [None, True])  # the CPU's default (one method after another), CUDA's
 def test_smollm2_suite_matches_plain_for_every_method(tmp_path, interleave):
-    cfg = BenchConfig(device="cpu", suites=("smollm2",), output=tmp_path / "out", drafts=ROOT / "drafts",
-                      work_dir=tmp_path / "work", methods=("plain", "eagle3-deep", "ngram"), num_prompts=2,
-                      hf_prompts=1, max_tokens=8, profile_tokens=4, interleave=interleave)
+    cfg = BenchConfig(
+        device="cpu",
+        suites=("smollm2",),
+        output=tmp_path / "out",
+        drafts=ROOT / "drafts",
+        work_dir=tmp_path / "work",
+        methods=("plain", "eagle3-deep", "ngram"),
+        num_prompts=2,
+        hf_prompts=1,
+        max_tokens=8,
+        profile_tokens=4,
+        interleave=interleave,
+    )
     methods = json.loads(run_bench(cfg).read_text())["smollm2"]["methods"]
     assert set(methods) == {"plain", "eagle3-deep", "ngram", "hf-generate", "hf-prompt-lookup"}
     plain = methods["plain"]["outputs"]

@@ -28,7 +28,9 @@ def tiny_ckpt(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def test_portable_engine_directory(tiny_ckpt: Path, tmp_path: Path) -> None:
-    out = build_engine(tiny_ckpt, tmp_path / "engine", "portable", BuildOptions(max_batch_size=4, max_input_len=100, max_seq_len=300))
+    out = build_engine(
+        tiny_ckpt, tmp_path / "engine", "portable", BuildOptions(max_batch_size=4, max_input_len=100, max_seq_len=300)
+    )
     engine = EngineDir.load(out)
     cfg = json.loads((out / "config.json").read_text())
     assert set(cfg) == {"version", "pretrained_config", "build_config"}
@@ -54,23 +56,48 @@ def test_ngram_engine_records_spec(tiny_ckpt: Path, tmp_path: Path) -> None:
     assert engine.limits.max_seq_len == BuildOptions.max_seq_len + 3
 
 
-def test_trtllm_dry_run_prints_exact_command(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_trtllm_dry_run_prints_exact_command(
+    tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "engine"
-    rc = main(["build", "--checkpoint", str(tiny_ckpt), "--output", str(out), "--backend", "trtllm", "--dry-run",
-               "--max-batch-size", "4", "--max-seq-len", "512", "--max-input-len", "256"])
+    rc = main(
+        [
+            "build",
+            "--checkpoint",
+            str(tiny_ckpt),
+            "--output",
+            str(out),
+            "--backend",
+            "trtllm",
+            "--dry-run",
+            "--max-batch-size",
+            "4",
+            "--max-seq-len",
+            "512",
+            "--max-input-len",
+            "256",
+        ]
+    )
     assert rc == 0 and not out.exists()
     assert capsys.readouterr().out.strip() == (
         f"trtllm-build --checkpoint_dir {tiny_ckpt} --output_dir {out} --max_batch_size 4 --max_input_len 256 "
-        "--max_seq_len 512 --gemm_plugin auto")
+        "--max_seq_len 512 --gemm_plugin auto"
+    )
 
 
 @pytest.mark.skipif(shutil.which("trtllm-build") is not None, reason="TensorRT-LLM is installed here")
-def test_trtllm_without_tensorrt_llm_exits_2_and_leaves_nothing(tiny_ckpt: Path, tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_trtllm_without_tensorrt_llm_exits_2_and_leaves_nothing(
+    tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "engines" / "tiny-trtllm"
     rc = main(["build", "--checkpoint", str(tiny_ckpt), "--output", str(out), "--backend", "trtllm"])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and "TensorRT-LLM is not installed" in err and "--backend portable" in err and len(err.splitlines()) == 1
+    assert (
+        rc == 2
+        and "TensorRT-LLM is not installed" in err
+        and "--backend portable" in err
+        and len(err.splitlines()) == 1
+    )
     assert not out.exists() and (not out.parent.exists() or not any(out.parent.iterdir()))
 
 
@@ -83,22 +110,27 @@ def test_failed_build_leaves_nothing(tiny_ckpt: Path, tmp_path: Path) -> None:
     assert not any((tmp_path / "engines").iterdir())
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--dynamic-tree"], "--dynamic-tree: only Medusa and EAGLE"),
-    (["--choices", "top16"], "--choices: only Medusa and EAGLE"),
-    (["--max-input-len", "4096"], "--max-input-len 4096 exceeds --max-seq-len 2048"),
-    (["--speculative", "medusa"], "--speculative 'medusa'"),
-    (["--backend", "tensorrt"], "--backend 'tensorrt'"),
-])
-def test_build_flag_errors(flags: list[str], message: str, tiny_ckpt: Path, tmp_path: Path,
-                           capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--dynamic-tree"], "--dynamic-tree: only Medusa and EAGLE"),
+        (["--choices", "top16"], "--choices: only Medusa and EAGLE"),
+        (["--max-input-len", "4096"], "--max-input-len 4096 exceeds --max-seq-len 2048"),
+        (["--speculative", "medusa"], "--speculative 'medusa'"),
+        (["--backend", "tensorrt"], "--backend 'tensorrt'"),
+    ],
+)
+def test_build_flag_errors(
+    flags: list[str], message: str, tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "engine"
     rc = main(["build", "--checkpoint", str(tiny_ckpt), "--output", str(out), *flags])
     assert rc == 2 and message in capsys.readouterr().err and not out.exists()
 
 
-def test_three_head_medusa_builds_with_the_default_tree_trimmed(tiny_llama_dir: Path, tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_three_head_medusa_builds_with_the_default_tree_trimmed(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The default tree is 4 deep: a 3-head checkpoint gets its paths up to depth 3, and the build says so."""
     heads_count = 3
     cfg = json.loads((tiny_llama_dir / "config.json").read_text())
@@ -111,8 +143,10 @@ def test_three_head_medusa_builds_with_the_default_tree_trimmed(tiny_llama_dir: 
     spec = EngineDir.load(out).spec
     assert spec.mode == "medusa" and spec.num_medusa_heads == heads_count and spec.choices == expected
     validate_choices(spec.choices, max_depth=heads_count)
-    assert (f"tree: mc_sim_7b_63 trimmed to the checkpoint's {heads_count} heads, depth {heads_count}, "
-            f"{len(expected)} nodes") in capsys.readouterr().out.splitlines()
+    assert (
+        f"tree: mc_sim_7b_63 trimmed to the checkpoint's {heads_count} heads, depth {heads_count}, "
+        f"{len(expected)} nodes"
+    ) in capsys.readouterr().out.splitlines()
     # A tree asked for by name is taken as given: too deep for the heads is still an error.
     with pytest.raises(UserError, match=f"depth 4 exceeds {heads_count}"):
         build_engine(ckpt, tmp_path / "explicit", opts=BuildOptions(choices="mc_sim_7b_63"))
@@ -134,11 +168,11 @@ def test_smollm2_engine_dir(smollm2_engine_dir: Path) -> None:
 def test_cli_runs_without_an_optional_package(tiny_ckpt: Path, tmp_path: Path) -> None:
     """Where tritonclient is missing (the GPU image), the engine commands still run and the Triton ones
     say what is missing."""
-    code = ("import sys; sys.modules['tritonclient'] = None; from pipeline.cli import main; "
-            "sys.exit(main(sys.argv[1:]))")
+    code = "import sys; sys.modules['tritonclient'] = None; from pipeline.cli import main; sys.exit(main(sys.argv[1:]))"
     run = [sys.executable, "-c", code]
-    built = subprocess.run(run + ["build", "--checkpoint", str(tiny_ckpt), "--output", str(tmp_path / "e")],
-                           capture_output=True, text=True)
+    built = subprocess.run(
+        run + ["build", "--checkpoint", str(tiny_ckpt), "--output", str(tmp_path / "e")], capture_output=True, text=True
+    )
     assert built.returncode == 0, built.stderr
     assert (tmp_path / "e" / "config.json").is_file()
     assert "(needs tritonclient)" in subprocess.run(run + ["--help"], capture_output=True, text=True).stdout

@@ -69,39 +69,64 @@ def test_acceptance_lengths_both_definitions():
 
 
 def test_parse_vllm_spec_counters_sums_label_sets():
-    text = "\n".join([
-        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
-        'vllm:spec_decode_num_drafts_total{engine="0",model_name="t"} 40.0',
-        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="t"} 160.0',
-        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="t"} 50.0',
-        'vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="t"} 10.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 30.0',
-        'vllm:num_requests_running{engine="0"} 0.0',
-    ])
+    text = "\n".join(
+        [
+            "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="t"} 40.0',
+            'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="t"} 160.0',
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="t"} 50.0',
+            'vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="t"} 10.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 30.0',
+            'vllm:num_requests_running{engine="0"} 0.0',
+        ]
+    )
     assert parse_spec_counters(text) == {"drafts": 40.0, "draft_tokens": 160.0, "accepted_tokens": 60.0}
     assert parse_spec_counters("") == {}
 
 
 def _run(c: int, tps: float, accept: float | None) -> dict:
-    return {"concurrency": c, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "itl_p50_s": 0.03, "itl_p99_s": 0.05,
-            "output_tokens_per_s": tps, "requests_per_s": 1.0, "acceptance_length": accept,
-            "acceptance_lengths": [accept] * 3 if accept else [], "exact_match_rate": 1.0,
-            "mean_first_divergence": 256.0, "outputs": []}
+    return {
+        "concurrency": c,
+        "ttft_p50_s": 0.1,
+        "ttft_p99_s": 0.2,
+        "itl_p50_s": 0.03,
+        "itl_p99_s": 0.05,
+        "output_tokens_per_s": tps,
+        "requests_per_s": 1.0,
+        "acceptance_length": accept,
+        "acceptance_lengths": [accept] * 3 if accept else [],
+        "exact_match_rate": 1.0,
+        "mean_first_divergence": 256.0,
+        "outputs": [],
+    }
 
 
 def test_report_table_ratio_and_files(tmp_path):
-    systems = {"ours": {"status": "ran", "startup_s": 5.0, "runs": [_run(1, 20.0, 2.0), _run(4, 25.0, 2.0)]},
-               "vllm": {"status": "ran", "runs": [_run(1, 40.0, None), _run(4, 100.0, None)]},
-               "vllm-eagle": {"status": "skipped: no draft", "runs": []}}
+    systems = {
+        "ours": {"status": "ran", "startup_s": 5.0, "runs": [_run(1, 20.0, 2.0), _run(4, 25.0, 2.0)]},
+        "vllm": {"status": "ran", "runs": [_run(1, 40.0, None), _run(4, 100.0, None)]},
+        "vllm-eagle": {"status": "skipped: no draft", "runs": []},
+    }
     rows = table_rows(systems)
     assert len(rows) == 2 + 4 and rows[2].startswith("| ours | 1 | 100 / 200 | 30.0 / 50.0 | 20.0 |")
-    assert single_stream_ratios(systems) == ["- ours 20.0 tok/s vs vllm 40.0 tok/s at concurrency 1: ours / vllm = 0.50×"]
-    results = {"date": "2026-11-30", "systems": systems, "references": [],
-               "machine": {"cpu": "x", "cores": 2, "memory_gib": 8.0, "python": "3.11", "torch": "2.13"},
-               "config": {"prompts": "p", "num_prompts": 2, "max_tokens": 8, "concurrency": [1, 4], "warmup": 1}}
+    assert single_stream_ratios(systems) == [
+        "- ours 20.0 tok/s vs vllm 40.0 tok/s at concurrency 1: ours / vllm = 0.50×"
+    ]
+    results = {
+        "date": "2026-11-30",
+        "systems": systems,
+        "references": [],
+        "machine": {"cpu": "x", "cores": 2, "memory_gib": 8.0, "python": "3.11", "torch": "2.13"},
+        "config": {"prompts": "p", "num_prompts": 2, "max_tokens": 8, "concurrency": [1, 4], "warmup": 1},
+    }
     systems["vllm"]["runs"][0]["ttft_p99_s"] = math.nan
     write_report(tmp_path, results)
-    assert {p.name for p in tmp_path.iterdir()} == {"report.md", "results.json", "throughput_ttft.png", "acceptance_hist.png"}
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "report.md",
+        "results.json",
+        "throughput_ttft.png",
+        "acceptance_hist.png",
+    }
     assert json.loads((tmp_path / "results.json").read_text())["systems"]["vllm"]["runs"][0]["ttft_p99_s"] is None
     assert "skipped: no draft" in (tmp_path / "report.md").read_text()
 

@@ -43,12 +43,24 @@ def test_llama_checkpoint_names_shapes_and_fields(tiny_llama_dir: Path, tmp_path
     assert cfg["attn_bias"] is False and cfg["use_parallel_embedding"] is False and cfg["embedding_sharding_dim"] == 0
     shapes = rank_shapes(ckpt, 0)
     v = hf["vocab_size"]
-    expected = {"transformer.vocab_embedding.weight": [v, 64], "transformer.ln_f.weight": [64], "lm_head.weight": [v, 64]}
+    expected = {
+        "transformer.vocab_embedding.weight": [v, 64],
+        "transformer.ln_f.weight": [64],
+        "lm_head.weight": [v, 64],
+    }
     for i in range(4):
         p = f"transformer.layers.{i}."
-        expected.update({p + "input_layernorm.weight": [64], p + "attention.qkv.weight": [(4 + 2 * 2) * 16, 64],
-                         p + "attention.dense.weight": [64, 64], p + "post_layernorm.weight": [64],
-                         p + "mlp.fc.weight": [128, 64], p + "mlp.gate.weight": [128, 64], p + "mlp.proj.weight": [64, 128]})
+        expected.update(
+            {
+                p + "input_layernorm.weight": [64],
+                p + "attention.qkv.weight": [(4 + 2 * 2) * 16, 64],
+                p + "attention.dense.weight": [64, 64],
+                p + "post_layernorm.weight": [64],
+                p + "mlp.fc.weight": [128, 64],
+                p + "mlp.gate.weight": [128, 64],
+                p + "mlp.proj.weight": [64, 128],
+            }
+        )
     assert shapes == expected
     assert not (ckpt / "rank1.safetensors").exists()
 
@@ -58,8 +70,12 @@ def test_weights_follow_the_reference_mapping(tiny_llama_dir: Path, tmp_path: Pa
     _, t = read_checkpoint(convert(source, tmp_path / "ckpt"))
     sd = source.state_dict
     p = "model.layers.1."
-    assert torch.equal(t["transformer.layers.1.attention.qkv.weight"],
-                       torch.cat([sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"], sd[p + "self_attn.v_proj.weight"]]))
+    assert torch.equal(
+        t["transformer.layers.1.attention.qkv.weight"],
+        torch.cat(
+            [sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"], sd[p + "self_attn.v_proj.weight"]]
+        ),
+    )
     assert torch.equal(t["transformer.layers.1.mlp.fc.weight"], sd[p + "mlp.gate_proj.weight"])
     assert torch.equal(t["transformer.layers.1.mlp.gate.weight"], sd[p + "mlp.up_proj.weight"])
     assert torch.equal(t["transformer.layers.1.mlp.proj.weight"], sd[p + "mlp.down_proj.weight"])
@@ -76,15 +92,18 @@ def test_qwen2_checkpoint_has_qkv_bias_and_tied_head(tiny_qwen2_dir: Path, tmp_p
     assert cfg["tie_word_embeddings"] is True
     assert "transformer.layers.0.attention.dense.bias" not in t
     p = "model.layers.0.self_attn."
-    assert torch.equal(t["transformer.layers.0.attention.qkv.bias"],
-                       torch.cat([source.state_dict[p + f"{x}_proj.bias"] for x in "qkv"]))
+    assert torch.equal(
+        t["transformer.layers.0.attention.qkv.bias"],
+        torch.cat([source.state_dict[p + f"{x}_proj.bias"] for x in "qkv"]),
+    )
     assert torch.equal(t["lm_head.weight"], t["transformer.vocab_embedding.weight"])
 
 
 @pytest.mark.parametrize("arch_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
 @pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (2, 2), (1, 4)])
-def test_tp_pp_shards_merge_back_exactly(arch_fixture: str, tp: int, pp: int, tmp_path: Path,
-                                         request: pytest.FixtureRequest) -> None:
+def test_tp_pp_shards_merge_back_exactly(
+    arch_fixture: str, tp: int, pp: int, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     source = load_target(request.getfixturevalue(arch_fixture))
     ckpt = convert(source, tmp_path / "ckpt", tp=tp, pp=pp)
     cfg, merged = read_checkpoint(ckpt)
@@ -97,7 +116,9 @@ def test_tp_pp_shards_merge_back_exactly(arch_fixture: str, tp: int, pp: int, tm
     first = rank_shapes(ckpt, 0)
     assert ("transformer.vocab_embedding.weight" in first) and (("lm_head.weight" in first) == (pp == 1))
     assert last["lm_head.weight"] == [padded_vocab(cfg["vocab_size"], tp) // tp, 64]
-    assert sorted({k.split(".")[2] for k in last if k.startswith("transformer.layers.")}) == [str(i) for i in range(per_stage)]
+    assert sorted({k.split(".")[2] for k in last if k.startswith("transformer.layers.")}) == [
+        str(i) for i in range(per_stage)
+    ]
 
 
 def test_tp_rank_layout_qkv_dense_vocab(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -143,14 +164,19 @@ def test_dtype_rope_scaling_and_tokenizer(tmp_path: Path) -> None:
 
 
 def test_export_hf_folder_keeps_rope_theta(tmp_path: Path) -> None:
-    model = make_tiny_model(tmp_path / "m", num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 12345.0})
+    model = make_tiny_model(
+        tmp_path / "m", num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 12345.0}
+    )
     out = export_hf_folder(model, tmp_path / "hf")
     saved = json.loads((out / "config.json").read_text())
-    assert "quantization_config" not in saved and (out / "model.safetensors").is_file() and saved["rope_theta"] == 12345.0
+    assert (
+        "quantization_config" not in saved and (out / "model.safetensors").is_file() and saved["rope_theta"] == 12345.0
+    )
     assert rope_settings(load_target(out).config)[0] == 12345.0
 
 
 # ---- bad inputs: one clear line, exit code 2, no output folder ----
+
 
 def _break_config(src: Path, dst: Path, **changes: object) -> Path:
     shutil.copytree(src, dst)
@@ -169,20 +195,39 @@ def _truncate(src: Path, dst: Path) -> Path:
 
 BAD_INPUTS = {
     "missing folder": (lambda src, tmp: tmp / "nope", [], "nope: target not found"),
-    "unsupported architecture": (lambda src, tmp: _break_config(src, tmp / "gpt2", model_type="gpt2", architectures=["GPT2LMHeadModel"]),
-                                 [], "unsupported architecture"),
-    "config does not match weights": (lambda src, tmp: _break_config(src, tmp / "bad", intermediate_size=96), [],
-                                      "mlp.gate_proj.weight has shape [128, 64] but config.json implies [96, 64]"),
-    "truncated safetensors": (lambda src, tmp: _truncate(src, tmp / "trunc"), [], "model.safetensors: cannot read safetensors"),
+    "unsupported architecture": (
+        lambda src, tmp: _break_config(src, tmp / "gpt2", model_type="gpt2", architectures=["GPT2LMHeadModel"]),
+        [],
+        "unsupported architecture",
+    ),
+    "config does not match weights": (
+        lambda src, tmp: _break_config(src, tmp / "bad", intermediate_size=96),
+        [],
+        "mlp.gate_proj.weight has shape [128, 64] but config.json implies [96, 64]",
+    ),
+    "truncated safetensors": (
+        lambda src, tmp: _truncate(src, tmp / "trunc"),
+        [],
+        "model.safetensors: cannot read safetensors",
+    ),
     "unknown dtype": (lambda src, tmp: src, ["--dtype", "fp8"], "--dtype 'fp8': unknown dtype"),
-    "tp does not divide heads": (lambda src, tmp: src, ["--tp-size", "3"], "--tp-size 3: does not divide the target's num_attention_heads 4"),
-    "pp does not divide layers": (lambda src, tmp: src, ["--pp-size", "3"], "--pp-size 3: does not divide the target's num_hidden_layers 4"),
+    "tp does not divide heads": (
+        lambda src, tmp: src,
+        ["--tp-size", "3"],
+        "--tp-size 3: does not divide the target's num_attention_heads 4",
+    ),
+    "pp does not divide layers": (
+        lambda src, tmp: src,
+        ["--pp-size", "3"],
+        "--pp-size 3: does not divide the target's num_hidden_layers 4",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_inputs_give_one_clear_line(case: str, tiny_llama_dir: Path, tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_inputs_give_one_clear_line(
+    case: str, tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     make_target, extra, message = BAD_INPUTS[case]
     target = make_target(tiny_llama_dir, tmp_path)
     out = tmp_path / "out" / "ckpt"
@@ -194,9 +239,17 @@ def test_bad_inputs_give_one_clear_line(case: str, tiny_llama_dir: Path, tmp_pat
 
 def test_cli_subprocess_exit_code(tmp_path: Path) -> None:
     out = tmp_path / "ckpt"
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "convert", "--target", str(tmp_path / "missing"),
-                           "--output", str(out)], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stderr.strip().startswith("specpipe convert: error:") and "target not found" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", "convert", "--target", str(tmp_path / "missing"), "--output", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip().startswith("specpipe convert: error:")
+        and "target not found" in proc.stderr
+    )
     assert not out.exists()
 
 

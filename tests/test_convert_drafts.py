@@ -43,6 +43,7 @@ def assert_no_output(out: Path) -> None:
 
 # ---- Medusa ----
 
+
 def _medusa_source_names(fmt: str, h: int, l: int, layers: int) -> tuple[str, str, str]:
     if fmt == "vllm":
         return f"blocks.{h}.layers.{l}.weight", f"blocks.{h}.layers.{l}.bias", f"lm_heads.{h}.weight"
@@ -57,7 +58,11 @@ def test_medusa_formats_convert_per_reference(fmt: str, target, tmp_path: Path) 
     ckpt = convert(target, tmp_path / "ckpt", tp=2, drafts=DraftInputs(medusa=str(heads_dir)))
     cfg, t = read_checkpoint(ckpt)
     assert cfg["architecture"] == "MedusaForCausalLM" and cfg["model_type"] == "llama"
-    assert (cfg["num_medusa_heads"], cfg["num_medusa_layers"], cfg["max_draft_len"]) == (5, 2, 63)  # tensors win over config
+    assert (cfg["num_medusa_heads"], cfg["num_medusa_layers"], cfg["max_draft_len"]) == (
+        5,
+        2,
+        63,
+    )  # tensors win over config
     src = load_medusa_tensors(medusa_file(heads_dir))
     for h in range(5):
         for l in range(2):
@@ -75,26 +80,40 @@ def test_medusa_formats_convert_per_reference(fmt: str, target, tmp_path: Path) 
 
 def test_medusa_without_lm_head_uses_targets(target, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     heads_dir = make_random_medusa(tmp_path / "heads", HIDDEN, target.config.vocab_size, heads=4, with_lm_head=False)
-    _, t = read_checkpoint(convert(target, tmp_path / "ckpt", drafts=DraftInputs(medusa=str(heads_dir), num_medusa_heads=3)))
+    _, t = read_checkpoint(
+        convert(target, tmp_path / "ckpt", drafts=DraftInputs(medusa=str(heads_dir), num_medusa_heads=3))
+    )
     assert "using the target's lm_head" in capsys.readouterr().out
     assert sorted({k.split(".")[1] for k in t if k.startswith("medusa_heads.")}) == ["0", "1", "2"]
     assert torch.equal(t["medusa_heads.2.lm_head.weight"], target.lm_head)
 
 
 def test_medusa_rotary_scaling_is_reduced_to_type(tmp_path: Path) -> None:
-    model = make_tiny_model(tmp_path / "m", num_hidden_layers=2, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+    model = make_tiny_model(
+        tmp_path / "m", num_hidden_layers=2, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    )
     source = load_target(model)
     heads = make_random_medusa(tmp_path / "heads", HIDDEN, source.config.vocab_size, heads=2)
     cfg, _ = read_checkpoint(convert(source, tmp_path / "ckpt", drafts=DraftInputs(medusa=str(heads))))
     assert cfg["rotary_scaling"] == {"type": "linear"}
 
 
-@pytest.mark.parametrize("hidden,vocab_delta,message", [
-    (32, 0, "head 0 layer 0 weight has shape [32, 32] but the target needs [64, 64]"),
-    (HIDDEN, 7, "head 0 lm_head has shape"),
-])
-def test_medusa_mismatched_heads_are_refused(hidden: int, vocab_delta: int, message: str, target, tiny_llama_dir: Path,
-                                             tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "hidden,vocab_delta,message",
+    [
+        (32, 0, "head 0 layer 0 weight has shape [32, 32] but the target needs [64, 64]"),
+        (HIDDEN, 7, "head 0 lm_head has shape"),
+    ],
+)
+def test_medusa_mismatched_heads_are_refused(
+    hidden: int,
+    vocab_delta: int,
+    message: str,
+    target,
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     heads = make_random_medusa(tmp_path / "heads", hidden, target.config.vocab_size + vocab_delta, heads=2)
     out = tmp_path / "out" / "ckpt"
     rc = main(["convert", "--target", str(tiny_llama_dir), "--medusa", str(heads), "--output", str(out)])
@@ -110,13 +129,24 @@ def test_medusa_engine_and_trtllm_command(target, tmp_path: Path, capsys: pytest
     assert engine.spec.mode == "medusa" and engine.spec.num_medusa_heads == 4 and engine.spec.choices == MC_SIM_7B_63
     assert engine.build_config["speculative_decoding_mode"] == TRTLLM_SPEC_MODE_FLAGS["medusa"]
     assert engine.limits.max_draft_len == 63 and engine.limits.max_seq_len == 2048 + 63
-    assert main(["build", "--checkpoint", str(ckpt), "--output", str(tmp_path / "t"), "--backend", "trtllm", "--dry-run"]) == 0
-    assert capsys.readouterr().out.strip().endswith("--gemm_plugin auto --speculative_decoding_mode medusa --max_draft_len 63")
+    assert (
+        main(["build", "--checkpoint", str(ckpt), "--output", str(tmp_path / "t"), "--backend", "trtllm", "--dry-run"])
+        == 0
+    )
+    assert (
+        capsys.readouterr()
+        .out.strip()
+        .endswith("--gemm_plugin auto --speculative_decoding_mode medusa --max_draft_len 63")
+    )
     with pytest.raises(UserError, match="63 nodes exceed max_draft_len 8"):
         build_engine(ckpt, tmp_path / "e2", opts=BuildOptions(max_draft_len=8))
     assert_no_output(tmp_path / "e2")
-    dynamic = EngineDir.load(build_engine(ckpt, tmp_path / "dyn", opts=BuildOptions(dynamic_tree=True, dynamic_top_k=16)))
-    assert dynamic.spec.choices is None and dynamic.spec.dynamic_tree.depth == 4 and dynamic.spec.dynamic_tree.top_k == 16
+    dynamic = EngineDir.load(
+        build_engine(ckpt, tmp_path / "dyn", opts=BuildOptions(dynamic_tree=True, dynamic_top_k=16))
+    )
+    assert (
+        dynamic.spec.choices is None and dynamic.spec.dynamic_tree.depth == 4 and dynamic.spec.dynamic_tree.top_k == 16
+    )
     with pytest.raises(UserError, match="Medusa runs in the portable engine only"):  # TensorRT-LLM's Medusa is static
         build_engine(ckpt, tmp_path / "t2", "trtllm", BuildOptions(dynamic_tree=True), dry_run=True)
     with pytest.raises(UserError, match="exceeds num_medusa_heads 4"):
@@ -126,25 +156,35 @@ def test_medusa_engine_and_trtllm_command(target, tmp_path: Path, capsys: pytest
 
 # ---- EAGLE-1/2 ----
 
+
 @pytest.mark.parametrize("fmt,with_embedding", [("safetensors", True), ("bin", False)])
 def test_eagle_converts_per_reference(fmt: str, with_embedding: bool, target, tmp_path: Path) -> None:
-    draft_dir = make_random_eagle(tmp_path / "eagle", HIDDEN, target.config.vocab_size, layers=2, fmt=fmt,
-                                  with_embedding=with_embedding)
-    ckpt = convert(target, tmp_path / "ckpt", tp=2, drafts=DraftInputs(eagle=str(draft_dir), max_non_leaves_per_layer=12))
+    draft_dir = make_random_eagle(
+        tmp_path / "eagle", HIDDEN, target.config.vocab_size, layers=2, fmt=fmt, with_embedding=with_embedding
+    )
+    ckpt = convert(
+        target, tmp_path / "ckpt", tp=2, drafts=DraftInputs(eagle=str(draft_dir), max_non_leaves_per_layer=12)
+    )
     cfg, t = read_checkpoint(ckpt)
     assert cfg["architecture"] == "EagleForCausalLM"
     assert (cfg["num_eagle_layers"], cfg["max_draft_len"], cfg["max_non_leaves_per_layer"]) == (4, 63, 12)
     net = cfg["eagle_net_config"]
     assert net["architecture"] == "LlamaForCausalLM" and net["num_hidden_layers"] == 2 and net["hidden_size"] == HIDDEN
     assert net["vocab_size"] == cfg["vocab_size"] and net["rotary_base"] == cfg["rotary_base"]
-    src = load_file(str(draft_dir / "model.safetensors")) if fmt == "safetensors" else torch.load(draft_dir / "pytorch_model.bin")
+    src = (
+        load_file(str(draft_dir / "model.safetensors"))
+        if fmt == "safetensors"
+        else torch.load(draft_dir / "pytorch_model.bin")
+    )
     emb = src["embed_tokens.weight"] if with_embedding else target.state_dict["model.embed_tokens.weight"]
     for i in range(4):
         p = f"eagle_nets.{i}.drafter."
         assert torch.equal(t[p + "fc.weight"], src["fc.weight"]) and torch.equal(t[p + "fc.bias"], src["fc.bias"])
         assert torch.equal(t[p + "vocab_embedding.weight"], emb)
-        assert torch.equal(t[p + "layers.1.attention.qkv.weight"],
-                           fuse_qkv(*(src[f"layers.1.self_attn.{x}_proj.weight"] for x in "qkv")))
+        assert torch.equal(
+            t[p + "layers.1.attention.qkv.weight"],
+            fuse_qkv(*(src[f"layers.1.self_attn.{x}_proj.weight"] for x in "qkv")),
+        )
         assert torch.equal(t[p + "layers.0.mlp.fc.weight"], src["layers.0.mlp.gate_proj.weight"])
         assert p + "layers.0.input_layernorm.weight" not in t and p + "layers.1.input_layernorm.weight" in t
         assert torch.equal(t[f"eagle_nets.{i}.lm_head.weight"], target.lm_head)
@@ -159,7 +199,10 @@ def test_eagle_refusals(target, tiny_llama_dir: Path, tmp_path: Path, capsys: py
     assert main(["convert", "--target", str(tiny_llama_dir), "--eagle", str(wrong), "--output", str(out)]) == 2
     assert "hidden_size 32 does not match the target's 64" in capsys.readouterr().err
     good = make_random_eagle(tmp_path / "good", HIDDEN, target.config.vocab_size)
-    assert main(["convert", "--target", str(tiny_llama_dir), "--eagle", str(good), "--pp-size", "2", "--output", str(out)]) == 2
+    assert (
+        main(["convert", "--target", str(tiny_llama_dir), "--eagle", str(good), "--pp-size", "2", "--output", str(out)])
+        == 2
+    )
     assert "EAGLE checkpoints need pp_size 1" in capsys.readouterr().err
     assert_no_output(out)
 
@@ -171,19 +214,41 @@ def test_eagle_engines_static_and_dynamic(target, tmp_path: Path, capsys: pytest
     assert static.spec.mode == "eagle" and static.spec.choices == MC_SIM_7B_63
     assert static.build_config["speculative_decoding_mode"] == TRTLLM_SPEC_MODE_FLAGS["eagle"]
     assert static.limits.max_seq_len == 2048 + 63 + 4
-    dynamic = EngineDir.load(build_engine(ckpt, tmp_path / "dyn", opts=BuildOptions(dynamic_tree=True, dynamic_top_k=4)))
-    assert dynamic.spec.choices is None and dynamic.spec.dynamic_tree.top_k == 4 and dynamic.spec.dynamic_tree.depth == 4
+    dynamic = EngineDir.load(
+        build_engine(ckpt, tmp_path / "dyn", opts=BuildOptions(dynamic_tree=True, dynamic_top_k=4))
+    )
+    assert (
+        dynamic.spec.choices is None and dynamic.spec.dynamic_tree.top_k == 4 and dynamic.spec.dynamic_tree.depth == 4
+    )
     assert dynamic.spec.dynamic_tree.max_non_leaves_per_layer == 10
     with pytest.raises(UserError, match="exceeds num_eagle_layers 4"):
         build_engine(ckpt, tmp_path / "bad", opts=BuildOptions(dynamic_tree=True, dynamic_depth=6))
     with pytest.raises(UserError, match="non-leaf nodes at depth 1 exceed max_non_leaves_per_layer 3"):
         build_engine(ckpt, tmp_path / "bad", opts=BuildOptions(choices="wide8x2", max_non_leaves_per_layer=3))
-    assert main(["build", "--checkpoint", str(ckpt), "--output", str(tmp_path / "t"), "--backend", "trtllm",
-                 "--dry-run", "--max-draft-len", "16", "--choices", "top16"]) == 0
+    assert (
+        main(
+            [
+                "build",
+                "--checkpoint",
+                str(ckpt),
+                "--output",
+                str(tmp_path / "t"),
+                "--backend",
+                "trtllm",
+                "--dry-run",
+                "--max-draft-len",
+                "16",
+                "--choices",
+                "top16",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.strip().endswith("--speculative_decoding_mode eagle --max_draft_len 16")
 
 
 # ---- EAGLE-3 ----
+
 
 def test_eagle3_draft_is_kept_beside_a_plain_target(target, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     draft_dir = make_random_eagle3(tmp_path / "e3", HIDDEN, target.config.vocab_size, draft_vocab=100)
@@ -197,45 +262,76 @@ def test_eagle3_draft_is_kept_beside_a_plain_target(target, tmp_path: Path, caps
     assert torch.equal(out["d2t"], src["d2t"]) and torch.equal(out["fc.weight"], src["fc.weight"].half())
     engine = EngineDir.load(build_engine(ckpt, tmp_path / "engine", opts=BuildOptions(dynamic_tree=True)))
     assert engine.spec.mode == "eagle3" and (engine.draft_dir / "model.safetensors").is_file()
-    assert main(["build", "--checkpoint", str(ckpt), "--output", str(tmp_path / "t"), "--backend", "trtllm", "--dry-run"]) == 2
+    assert (
+        main(["build", "--checkpoint", str(ckpt), "--output", str(tmp_path / "t"), "--backend", "trtllm", "--dry-run"])
+        == 2
+    )
     assert "Eagle3DecodingConfig" in capsys.readouterr().err
 
 
-def test_eagle3_draft_vocab_keeps_the_most_frequent_response_tokens(target, tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_eagle3_draft_vocab_keeps_the_most_frequent_response_tokens(
+    target, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
     vocab = target.config.vocab_size
     draft_dir = make_random_eagle3(tmp_path / "e3", HIDDEN, vocab, with_lm_head=False)  # as SmolLM2's: the target's
     # Two rows as DistillSet.save_tokens writes them: prompts of 2 and 1 tokens (4 4 | 4: not counted), responses
     # 5 5 5 7 7 9 | 3 3 3 3 1 1 9. Counts 3: 4, 5: 3, then 1, 7 and 9 tie on 2, where the lower ids win.
     rows = [[4, 4, 5, 5, 5, 7, 7, 9], [4, 3, 3, 3, 3, 1, 1, 9]]
     tokens = tmp_path / "tokens.npz"
-    np.savez(tokens, tokens=np.array(sum(rows, []), dtype=np.uint16), lengths=np.array([8, 8]),
-             prompt_lens=np.array([2, 1]))
-    ckpt = convert(target, tmp_path / "ckpt", drafts=DraftInputs(eagle3=str(draft_dir), draft_vocab=4,
-                                                                 vocab_tokens=str(tokens)))
+    np.savez(
+        tokens, tokens=np.array(sum(rows, []), dtype=np.uint16), lengths=np.array([8, 8]), prompt_lens=np.array([2, 1])
+    )
+    ckpt = convert(
+        target, tmp_path / "ckpt", drafts=DraftInputs(eagle3=str(draft_dir), draft_vocab=4, vocab_tokens=str(tokens))
+    )
     draft_cfg = json.loads((ckpt / "draft" / "config.json").read_text())
     out = load_file(str(ckpt / "draft" / "model.safetensors"))
     kept = torch.tensor([1, 3, 5, 7])
     assert draft_cfg["draft_vocab_size"] == 4 and torch.equal(out["d2t"] + torch.arange(4), kept)
     assert torch.equal(out["lm_head.weight"], target.lm_head[kept]) and out["t2d"].sum() == 4 and out["t2d"][kept].all()
-    assert main(["convert", "--target", str(tiny_llama_dir), "--output", str(tmp_path / "cli"), "--eagle3",
-                 str(draft_dir), "--draft-vocab", "4", "--vocab-tokens", str(tokens)]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--target",
+                str(tiny_llama_dir),
+                "--output",
+                str(tmp_path / "cli"),
+                "--eagle3",
+                str(draft_dir),
+                "--draft-vocab",
+                "4",
+                "--vocab-tokens",
+                str(tokens),
+            ]
+        )
+        == 0
+    )
     assert torch.equal(load_file(str(tmp_path / "cli" / "draft" / "model.safetensors"))["d2t"], out["d2t"])
     # (Such drafts' greedy speculation is lossless: tests/test_speculative.py's small-vocab case, whose tiny draft
     # make_random_eagle3 reduces through the same reduce_vocab.)
-    for drafts, message in [(DraftInputs(eagle3=str(draft_dir), draft_vocab=4), "go together"),
-                            (DraftInputs(eagle3=str(draft_dir), draft_vocab=vocab, vocab_tokens=str(tokens)),
-                             f"between 1 and {vocab - 1}"),
-                            (DraftInputs(eagle3=str(draft_dir), draft_vocab=4, vocab_tokens=str(tmp_path / "no.npz")),
-                             "token file not found"),
-                            (DraftInputs(eagle=str(make_random_eagle(tmp_path / "e2", HIDDEN, vocab)), draft_vocab=4,
-                                         vocab_tokens=str(tokens)), "only EAGLE-3 drafts")]:
+    for drafts, message in [
+        (DraftInputs(eagle3=str(draft_dir), draft_vocab=4), "go together"),
+        (DraftInputs(eagle3=str(draft_dir), draft_vocab=vocab, vocab_tokens=str(tokens)), f"between 1 and {vocab - 1}"),
+        (
+            DraftInputs(eagle3=str(draft_dir), draft_vocab=4, vocab_tokens=str(tmp_path / "no.npz")),
+            "token file not found",
+        ),
+        (
+            DraftInputs(
+                eagle=str(make_random_eagle(tmp_path / "e2", HIDDEN, vocab)), draft_vocab=4, vocab_tokens=str(tokens)
+            ),
+            "only EAGLE-3 drafts",
+        ),
+    ]:
         with pytest.raises(UserError, match=message):
             convert(target, tmp_path / "bad", drafts=drafts)
         assert_no_output(tmp_path / "bad")
     np.savez(tokens, tokens=np.array([vocab + 1], dtype=np.int64))
     with pytest.raises(UserError, match=f"outside the target's vocabulary of {vocab}"):
-        convert(target, tmp_path / "bad", drafts=DraftInputs(eagle3=str(draft_dir), draft_vocab=4,
-                                                             vocab_tokens=str(tokens)))
+        convert(
+            target, tmp_path / "bad", drafts=DraftInputs(eagle3=str(draft_dir), draft_vocab=4, vocab_tokens=str(tokens))
+        )
 
 
 def test_eagle3_mismatch_is_refused(target, tmp_path: Path) -> None:
@@ -247,7 +343,10 @@ def test_eagle3_mismatch_is_refused(target, tmp_path: Path) -> None:
 
 # ---- draft model ----
 
-def test_draft_model_without_embeddings_borrows_targets(target, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+
+def test_draft_model_without_embeddings_borrows_targets(
+    target, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     draft_dir = make_tiny_model(tmp_path / "draft", num_hidden_layers=1, seed=7)
     weights = load_file(str(draft_dir / "model.safetensors"))
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -262,15 +361,31 @@ def test_draft_model_without_embeddings_borrows_targets(target, tmp_path: Path, 
     engine = EngineDir.load(build_engine(ckpt, tmp_path / "engine", opts=BuildOptions(max_draft_len=3)))
     assert engine.spec.mode == "draft_model" and engine.spec.choices == [[0], [0, 0], [0, 0, 0]]
     assert EngineDir.load(engine.draft_dir).spec.mode == "none"
-    assert main(["build", "--checkpoint", str(ckpt), "--output", str(tmp_path / "t"), "--backend", "trtllm", "--dry-run",
-                 "--max-draft-len", "3"]) == 0
+    assert (
+        main(
+            [
+                "build",
+                "--checkpoint",
+                str(ckpt),
+                "--output",
+                str(tmp_path / "t"),
+                "--backend",
+                "trtllm",
+                "--dry-run",
+                "--max-draft-len",
+                "3",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and "--speculative_decoding_mode draft_tokens_external --max_draft_len 3" in lines[0]
     assert f"--checkpoint_dir {ckpt / 'draft'} --output_dir {tmp_path / 't' / 'draft'}" in lines[1]
 
 
-def test_draft_model_with_other_vocabulary_is_refused(tiny_llama_dir: Path, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_draft_model_with_other_vocabulary_is_refused(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     other = make_tiny_model(tmp_path / "other", num_hidden_layers=1, vocab_size=600)
     out = tmp_path / "out" / "ckpt"
     assert main(["convert", "--target", str(tiny_llama_dir), "--draft-model", str(other), "--output", str(out)]) == 2
@@ -279,5 +394,20 @@ def test_draft_model_with_other_vocabulary_is_refused(tiny_llama_dir: Path, tmp_
 
 
 def test_only_one_draft_input(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["convert", "--target", str(tiny_llama_dir), "--medusa", "a", "--eagle", "b", "--output", str(tmp_path / "o")]) == 2
+    assert (
+        main(
+            [
+                "convert",
+                "--target",
+                str(tiny_llama_dir),
+                "--medusa",
+                "a",
+                "--eagle",
+                "b",
+                "--output",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     assert "give at most one draft input" in capsys.readouterr().err

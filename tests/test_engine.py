@@ -20,9 +20,15 @@ PROMPTS = ["def add(a, b):", "The quick brown fox", "hello hello hello hello wor
 
 def hf_greedy(model, ids: list[int], max_tokens: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +54,9 @@ def test_smollm2_greedy_matches_hugging_face(smollm2_engine_dir, smollm2_hf):
     engine = Engine.from_dir(smollm2_engine_dir)
     for text in ["The capital of France is", "Write a haiku about the sea.\n"]:
         ids = engine.tokenizer(text).input_ids
-        assert engine.generate(ids, SamplingParams(max_tokens=32, end_id=-1)).token_ids == hf_greedy(smollm2_hf, ids, 32)
+        assert engine.generate(ids, SamplingParams(max_tokens=32, end_id=-1)).token_ids == hf_greedy(
+            smollm2_hf, ids, 32
+        )
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy(tiny_llama_engine):
@@ -56,8 +64,12 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(tiny_llama_engine):
     hot = SamplingParams(max_tokens=16, temperature=1.3, top_p=0.9, seed=7, end_id=-1)
     first = tiny_llama_engine.generate(ids, hot).token_ids
     assert tiny_llama_engine.generate(ids, hot).token_ids == first
-    others = {tuple(tiny_llama_engine.generate(ids, SamplingParams(max_tokens=16, temperature=1.3, seed=s, end_id=-1)).token_ids)
-              for s in range(4)}
+    others = {
+        tuple(
+            tiny_llama_engine.generate(ids, SamplingParams(max_tokens=16, temperature=1.3, seed=s, end_id=-1)).token_ids
+        )
+        for s in range(4)
+    }
     assert len(others) > 1, "different seeds should give different samples"
     greedy = tiny_llama_engine.generate(ids, SamplingParams(max_tokens=16, end_id=-1)).token_ids
     top1 = tiny_llama_engine.generate(ids, SamplingParams(max_tokens=16, temperature=0.8, top_k=1, seed=3, end_id=-1))
@@ -71,23 +83,26 @@ def test_stops_on_end_id_stop_word_and_max_tokens(tiny_llama_engine):
     end = free.token_ids[5]
     stopped = tiny_llama_engine.generate(ids, SamplingParams(max_tokens=20, end_id=end))
     assert stopped.finish_reason == "end_id"
-    assert stopped.token_ids == free.token_ids[:free.token_ids.index(end) + 1]
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(end) + 1]
     word = tiny_llama_engine.tokenizer.decode(free.token_ids[:8]).strip()[-3:]
     by_word = tiny_llama_engine.generate(ids, SamplingParams(max_tokens=20, end_id=-1, stop_words=(word,)))
     assert by_word.finish_reason == "stop" and by_word.text.endswith(word)
     assert len(by_word.token_ids) <= 8
 
 
-@pytest.mark.parametrize("params,prompt_len,match", [
-    (SamplingParams(max_tokens=0), 3, "max_tokens"),
-    (SamplingParams(max_tokens=-2), 3, "max_tokens"),
-    (SamplingParams(temperature=-0.5), 3, "temperature"),
-    (SamplingParams(top_p=0.0), 3, "top_p"),
-    (SamplingParams(top_k=-1), 3, "top_k"),
-    (SamplingParams(), 0, "empty"),
-    (SamplingParams(), 1025, "max_input_len"),
-    (SamplingParams(max_tokens=2000), 100, "max_seq_len"),
-])
+@pytest.mark.parametrize(
+    "params,prompt_len,match",
+    [
+        (SamplingParams(max_tokens=0), 3, "max_tokens"),
+        (SamplingParams(max_tokens=-2), 3, "max_tokens"),
+        (SamplingParams(temperature=-0.5), 3, "temperature"),
+        (SamplingParams(top_p=0.0), 3, "top_p"),
+        (SamplingParams(top_k=-1), 3, "top_k"),
+        (SamplingParams(), 0, "empty"),
+        (SamplingParams(), 1025, "max_input_len"),
+        (SamplingParams(max_tokens=2000), 100, "max_seq_len"),
+    ],
+)
 def test_bad_requests_are_refused(tiny_llama_engine, params, prompt_len, match):
     with pytest.raises(RequestError, match=match):
         tiny_llama_engine.validate([5] * prompt_len, params)
@@ -95,13 +110,32 @@ def test_bad_requests_are_refused(tiny_llama_engine, params, prompt_len, match):
 
 def test_generate_cli_json(tiny_llama_dir, tmp_path):
     engine_dir = convert_and_build(tiny_llama_dir, tmp_path)
-    out = subprocess.run([sys.executable, "-m", "pipeline", "generate", "--engine", str(engine_dir), "--prompt",
-                          PROMPTS[0], "--max-tokens", "6", "--json"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "generate",
+            "--engine",
+            str(engine_dir),
+            "--prompt",
+            PROMPTS[0],
+            "--max-tokens",
+            "6",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     record = json.loads(out.stdout)
     assert len(record["token_ids"]) == 6 and record["steps"] == 5
     assert (record["draft_tokens"], record["accepted_tokens"], record["acceptance_length"]) == (0, 0, 1.0)
-    bad = subprocess.run([sys.executable, "-m", "pipeline", "generate", "--engine", str(tmp_path / "nope"), "--prompt",
-                          "x"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "pipeline", "generate", "--engine", str(tmp_path / "nope"), "--prompt", "x"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "engine folder not found" in bad.stderr
 
 
@@ -117,16 +151,25 @@ def test_full_slot_context_matches_the_eager_step(tiny_llama_engine):
     tree = build_tree(parse_choices("top16"))
     tokens = torch.randint(0, target.cfg.vocab_size, (tree.num_nodes,))
     with torch.inference_mode():
-        for new_tokens, tree_mask, depths in [(tokens[:1], torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long)),
-                                              (tokens, tree.mask, tree.depths)]:
+        for new_tokens, tree_mask, depths in [
+            (tokens[:1], torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long)),
+            (tokens, tree.mask, tree.depths),
+        ]:
             outs = []
             for full in (False, True):
                 cache = target.new_cache(64)
                 target(prompt[None], make_context(cache, target.rotary, 0, torch.arange(n), None))
                 positions = n + depths
                 if full:
-                    ctx = full_slot_context(cache, target.rotary, torch.tensor(n), positions,
-                                            n + torch.arange(len(depths)), tree_mask, torch.arange(cache.num_slots))
+                    ctx = full_slot_context(
+                        cache,
+                        target.rotary,
+                        torch.tensor(n),
+                        positions,
+                        n + torch.arange(len(depths)),
+                        tree_mask,
+                        torch.arange(cache.num_slots),
+                    )
                 else:
                     ctx = make_context(cache, target.rotary, n, positions, tree_mask if len(depths) > 1 else None)
                 outs.append(target(new_tokens[None], ctx)[0])
@@ -235,12 +278,16 @@ def test_running_ahead_changes_only_how_tokens_are_grouped(tiny_llama_dir, tmp_p
     ids = engine.tokenizer(PROMPTS[2]).input_ids
     free = engine.generate(ids, SamplingParams(max_tokens=23, end_id=-1)).token_ids
     word = engine.tokenizer.decode(free[:9]).strip()[-3:]
-    requests = [SamplingParams(max_tokens=23, end_id=-1), SamplingParams(max_tokens=23, end_id=free[7]),
-                SamplingParams(max_tokens=23, end_id=-1, stop_words=(word,)), SamplingParams(max_tokens=1, end_id=-1)]
+    requests = [
+        SamplingParams(max_tokens=23, end_id=-1),
+        SamplingParams(max_tokens=23, end_id=free[7]),
+        SamplingParams(max_tokens=23, end_id=-1, stop_words=(word,)),
+        SamplingParams(max_tokens=1, end_id=-1),
+    ]
     seen, biggest = stream_by_run_ahead(engine, ids, requests, (1, 5))
     assert biggest[5] <= 5
     assert all(seen[1, i] == seen[5, i] for i in range(len(requests))), seen
-    assert seen[5, 1][0] == free[:free.index(free[7]) + 1] and seen[5, 1][1] == "end_id"
+    assert seen[5, 1][0] == free[: free.index(free[7]) + 1] and seen[5, 1][1] == "end_id"
     assert seen[5, 2][1] == "stop" and seen[5, 3][0] == free[:1]
 
 
@@ -275,9 +322,19 @@ def test_compiled_steps_trace_whole_and_match_eager():
     from pipeline.engine.tree import MC_SIM_7B_63, build_tree
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_size=8,
-                      intermediate_size=64, norm_epsilon=1e-5, rope_theta=10000.0, rope_scaling=None,
-                      max_position_embeddings=512)
+    cfg = ModelConfig(
+        vocab_size=256,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=8,
+        intermediate_size=64,
+        norm_epsilon=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=512,
+    )
     target = Transformer(cfg).eval()
     n = 12
     prompt = torch.randint(cfg.vocab_size, (n,))
@@ -287,8 +344,9 @@ def test_compiled_steps_trace_whole_and_match_eager():
         slot_ids, length = torch.arange(cache.num_slots), torch.tensor(n)
 
         def step(tokens, positions, tree_mask):
-            ctx = full_slot_context(cache, target.rotary, length, positions, length + torch.arange(tokens.shape[0]),
-                                    tree_mask, slot_ids)
+            ctx = full_slot_context(
+                cache, target.rotary, length, positions, length + torch.arange(tokens.shape[0]), tree_mask, slot_ids
+            )
             return target(tokens[None], ctx)[0]
 
         compiled = Compiled(step, enabled=True)

@@ -39,16 +39,25 @@ def interpreter_broken() -> bool:
 
 
 @pytest.mark.skipif(NO_TRITON, reason="Triton is not installed (make setup installs it)")
-@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(
-    interpreter_broken(), reason="this Triton's interpreter cannot run under this NumPy")),
-    pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device"))])
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param(
+            "cpu",
+            marks=pytest.mark.skipif(
+                interpreter_broken(), reason="this Triton's interpreter cannot run under this NumPy"
+            ),
+        ),
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+    ],
+)
 def test_kernels_match_the_unfused_layers(device):
     """check_kernels in a process of its own: under the interpreter, TRITON_INTERPRET must be set before the
     kernels are defined, and this process may have defined them already."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), **({"TRITON_INTERPRET": "1"} if device == "cpu" else {}))
-    run = subprocess.run([sys.executable, "-m", check_kernels.__name__, device], env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", check_kernels.__name__, device], env=env, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0 and "kernels ok" in run.stdout, run.stderr[-3000:]
 
 
@@ -78,14 +87,32 @@ def test_every_kernel_level_decodes_the_same_tokens_on_cuda():
 
 
 def tiny_config(**changes) -> ModelConfig:
-    return dataclasses.replace(ModelConfig(
-        vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_size=16, intermediate_size=48,
-        norm_epsilon=1e-5, rope_theta=1e4, rope_scaling=None, max_position_embeddings=64), **changes)
+    return dataclasses.replace(
+        ModelConfig(
+            vocab_size=32,
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            head_size=16,
+            intermediate_size=48,
+            norm_epsilon=1e-5,
+            rope_theta=1e4,
+            rope_scaling=None,
+            max_position_embeddings=64,
+        ),
+        **changes,
+    )
 
 
 def test_attach_leaves_cpu_models_on_the_library_kernels():
     model = Transformer(tiny_config()).to(torch.bfloat16)
-    assert routing.attach(model, "fused") == {"gemv_layers": 0, "fused_layers": 0, "attention_layers": 0, "draft_topk": 0}  # CPU weights: nothing to route
+    assert routing.attach(model, "fused") == {
+        "gemv_layers": 0,
+        "fused_layers": 0,
+        "attention_layers": 0,
+        "draft_topk": 0,
+    }  # CPU weights: nothing to route
     assert all(m.gemv is None for m in model.modules() if isinstance(m, Linear))
 
 
@@ -125,12 +152,30 @@ def test_the_default_tuning_is_the_engines():
     assert flags == (False, True, True, True, True)
     assert (t.rows_gemm_max_tokens, t.rows_gemm_gated_tile, t.rows_gemm_tile) == (64, (64, 64, 4, 4), (32, 256, 4, 4))
     assert (t.rows_small_weights, t.rows_small_rope_tile, t.rows_small_gated_tile, t.rows_small_tile) == (
-        1 << 22, (16, 32, 64, 4, 5), (16, 64, 64, 4, 5), (64, 16, 128, 4, 5))
-    assert (t.attention_chunk_slots, t.attention_max_splits, t.attention_programs, t.tree_block_rows,
-            t.tree_block_slots, t.tree_min_rows, t.tree_min_blocks_per_split, t.tree_max_blocks_per_split,
-            t.float32_dot) == (16, 64, 256, 16, 64, 16, 2, 4, "ieee")
-    assert (t.draft_topk_tile, t.draft_topk_warps, t.draft_topk_max_rows, t.draft_topk_max_k, t.draft_topk_block_h,
-            t.row_topk_max) == (256, 4, 16, 16, 64, 4096)
+        1 << 22,
+        (16, 32, 64, 4, 5),
+        (16, 64, 64, 4, 5),
+        (64, 16, 128, 4, 5),
+    )
+    assert (
+        t.attention_chunk_slots,
+        t.attention_max_splits,
+        t.attention_programs,
+        t.tree_block_rows,
+        t.tree_block_slots,
+        t.tree_min_rows,
+        t.tree_min_blocks_per_split,
+        t.tree_max_blocks_per_split,
+        t.float32_dot,
+    ) == (16, 64, 256, 16, 64, 16, 2, 4, "ieee")
+    assert (
+        t.draft_topk_tile,
+        t.draft_topk_warps,
+        t.draft_topk_max_rows,
+        t.draft_topk_max_k,
+        t.draft_topk_block_h,
+        t.row_topk_max,
+    ) == (256, 4, 16, 16, 64, 4096)
     for bad in ({"block_rows": 6}, {"float32_dot": "fast"}, {"rows_gemm_tile": (32, 256, 4)}):
         with pytest.raises(ValueError):
             dataclasses.replace(t, **bad)

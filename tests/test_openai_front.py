@@ -33,14 +33,18 @@ GIVE_UP_S = 1.0  # a non-streaming client's read timeout, well before the long r
 def front(tmp_path_factory: pytest.TempPathFactory):
     """Triton on a tiny ngram-speculative engine, the front on a free port; yields (base_url, tokenizer dir)."""
     root = tmp_path_factory.mktemp("front")
-    engine = convert_and_build(make_tiny_model(root / "hf"), root / "build", speculative="ngram", ngram_k=4,
-                               max_input_len=48, max_seq_len=1024)
+    engine = convert_and_build(
+        make_tiny_model(root / "hf"), root / "build", speculative="ngram", ngram_k=4, max_input_len=48, max_seq_len=1024
+    )
     repo = write_repository(engine, root / "repo")
     tokenizer_dir = engine / "tokenizer"
     with TritonServer(repo, log=open(root / "triton.log", "w")) as triton:
         port = free_port()
-        server = uvicorn.Server(uvicorn.Config(build_app(triton.grpc_url, MODEL, tokenizer_dir), host="127.0.0.1",
-                                               port=port, log_level="warning"))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                build_app(triton.grpc_url, MODEL, tokenizer_dir), host="127.0.0.1", port=port, log_level="warning"
+            )
+        )
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -89,7 +93,7 @@ def test_sse_framing_ends_with_done(front):
         events = [ln for ln in resp.iter_lines(decode_unicode=True) if ln]
     assert all(ln.startswith("data: ") for ln in events)
     assert events[-1] == "data: [DONE]"
-    chunks = [json.loads(ln[len("data: "):]) for ln in events[:-1]]
+    chunks = [json.loads(ln[len("data: ") :]) for ln in events[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] is not None
     assert "spec" in chunks[-1]
 
@@ -99,13 +103,16 @@ def test_chat_applies_the_template(front):
     from transformers import AutoTokenizer
 
     messages = [{"role": "user", "content": PROMPT}]
-    chat = _post(base, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 8,
-                                                "temperature": 0}).json()
+    chat = _post(
+        base, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
+    ).json()
     assert chat["object"] == "chat.completion"
     templated = AutoTokenizer.from_pretrained(tokenizer_dir).apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True)
-    plain = _post(base, "/v1/completions", {"model": MODEL, "prompt": templated, "max_tokens": 8,
-                                            "temperature": 0}).json()
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    plain = _post(
+        base, "/v1/completions", {"model": MODEL, "prompt": templated, "max_tokens": 8, "temperature": 0}
+    ).json()
     assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
 
     body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0, "stream": True}
@@ -117,8 +124,9 @@ def test_chat_applies_the_template(front):
 
 def test_errors_are_openai_shaped(front):
     base, _ = front
-    bad_json = requests.post(f"{base}/v1/completions", data=b"{not json", timeout=10,
-                             headers={"content-type": "application/json"})
+    bad_json = requests.post(
+        f"{base}/v1/completions", data=b"{not json", timeout=10, headers={"content-type": "application/json"}
+    )
     assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
     missing = _post(base, "/v1/completions", {"model": MODEL, "max_tokens": 4})
     assert missing.status_code == 400 and "prompt" in missing.json()["error"]["message"]

@@ -21,8 +21,19 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from conftest import convert_and_build
-from pipeline.client.client import (BLS, ENGINE_MODEL, ENSEMBLE, Sampling, TritonRequestError, _grpc_input,
-                                    _json_inputs, engine_inputs, generate, infer_grpc, text_inputs)
+from pipeline.client.client import (
+    BLS,
+    ENGINE_MODEL,
+    ENSEMBLE,
+    Sampling,
+    TritonRequestError,
+    _grpc_input,
+    _json_inputs,
+    engine_inputs,
+    generate,
+    infer_grpc,
+    text_inputs,
+)
 from pipeline.triton.repo import write_repository
 from pipeline.triton.server import SHM_DIR, TritonServer, free_ports, python_stubs
 
@@ -72,8 +83,12 @@ def test_oversized_http_bodies_are_refused_and_the_server_keeps_serving(server, 
     for size in BIG_BODIES_BYTES:
         body = json.dumps({"text_input": _big_text(size), "max_tokens": MAX_TOKENS}).encode()
         start = time.monotonic()
-        reply = requests.post(f"http://{server.http_url}/v2/models/{ENSEMBLE}/generate", data=body,
-                              headers={"Content-Type": content_type}, timeout=60)
+        reply = requests.post(
+            f"http://{server.http_url}/v2/models/{ENSEMBLE}/generate",
+            data=body,
+            headers={"Content-Type": content_type},
+            timeout=60,
+        )
         assert time.monotonic() - start < REFUSAL_S
         assert reply.status_code == 400, reply.text[:300]
         assert "text_input has" in reply.json()["error"] and "max_input_len" in reply.json()["error"]
@@ -94,25 +109,39 @@ def test_oversized_grpc_prompts_are_refused_and_the_server_keeps_serving(server)
 BAD_HTTP_REQUESTS = {
     "missing text_input": ({"max_tokens": MAX_TOKENS}, "input 'text_input' is missing"),
     "missing max_tokens": ({"text_input": PROMPT}, "input 'max_tokens' is missing"),
-    "unknown input name": ({"text_input": PROMPT, "max_tokens": MAX_TOKENS, "tempreature": 0.5},
-                           "unknown input(s) 'tempreature'"),
-    "temperature NaN": ({"text_input": PROMPT, "max_tokens": MAX_TOKENS, "temperature": float("nan")},
-                        "temperature must be a finite number"),
-    "temperature inf": ({"text_input": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 1e39},
-                        "temperature must be a finite number"),
-    "end_id outside the vocabulary": ({"text_input": PROMPT, "max_tokens": MAX_TOKENS, "end_id": 10**6},
-                                      "outside the vocabulary"),
+    "unknown input name": (
+        {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "tempreature": 0.5},
+        "unknown input(s) 'tempreature'",
+    ),
+    "temperature NaN": (
+        {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "temperature": float("nan")},
+        "temperature must be a finite number",
+    ),
+    "temperature inf": (
+        {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 1e39},
+        "temperature must be a finite number",
+    ),
+    "end_id outside the vocabulary": (
+        {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "end_id": 10**6},
+        "outside the vocabulary",
+    ),
     "max_tokens 2^31": ({"text_input": PROMPT, "max_tokens": 2**31}, "wraps around"),
 }
 
 
-@pytest.mark.parametrize("route", ["ensemble/generate", "ensemble/generate_stream", "tensorrt_llm_bls/generate",
-                                   "tensorrt_llm_bls/generate_stream"])
+@pytest.mark.parametrize(
+    "route",
+    ["ensemble/generate", "ensemble/generate_stream", "tensorrt_llm_bls/generate", "tensorrt_llm_bls/generate_stream"],
+)
 def test_client_mistakes_are_400_with_one_message_on_every_http_route(server, route):
     for case, (body, message) in BAD_HTTP_REQUESTS.items():
         stream = route.endswith("stream")
-        reply = requests.post(f"http://{server.http_url}/v2/models/{route}", data=json.dumps({**body, "stream": stream}),
-                              headers={"Content-Type": JSON}, timeout=60)
+        reply = requests.post(
+            f"http://{server.http_url}/v2/models/{route}",
+            data=json.dumps({**body, "stream": stream}),
+            headers={"Content-Type": JSON},
+            timeout=60,
+        )
         assert reply.status_code == 400, (case, reply.text)
         assert message in reply.text, (case, reply.text)
     _serves_normally(server)
@@ -131,8 +160,9 @@ def test_chat_template_input_wraps_the_prompt(server, tiny_llama_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     question = "What is the capital of France?"
-    templated = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                              tokenize=False)
+    templated = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
     inputs = text_inputs(question, Sampling(max_tokens=MAX_TOKENS), stream=False)
     inputs["apply_chat_template"] = np.array([[True]])
     for model in (ENSEMBLE, BLS):

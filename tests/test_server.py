@@ -18,8 +18,17 @@ import numpy as np
 import pytest
 
 from conftest import convert_and_build
-from pipeline.client.client import (BLS, ENSEMBLE, Sampling, TritonRequestError, generate, generate_ids, infer_grpc,
-                                    infer_http, text_inputs)
+from pipeline.client.client import (
+    BLS,
+    ENSEMBLE,
+    Sampling,
+    TritonRequestError,
+    generate,
+    generate_ids,
+    infer_grpc,
+    infer_http,
+    text_inputs,
+)
 from pipeline.client.verify import verify
 from pipeline.convert.tiny import TINY_SHAPES, make_random_medusa, make_tiny_model
 from pipeline.engine.runner import Engine, SamplingParams
@@ -42,8 +51,9 @@ def medusa_engine(tiny_llama_dir, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("medusa")
     vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
     heads = make_random_medusa(root / "heads", hidden=TINY_SHAPES["hidden_size"], vocab=vocab, heads=2)
-    return convert_and_build(tiny_llama_dir, root / "build", medusa=heads, num_medusa_heads=2,
-                             choices="[[0], [0, 0], [1], [0, 1]]", **LIMITS)
+    return convert_and_build(
+        tiny_llama_dir, root / "build", medusa=heads, num_medusa_heads=2, choices="[[0], [0, 0], [1], [0, 1]]", **LIMITS
+    )
 
 
 def _serve(engine_dir: Path, tmp: Path):
@@ -102,9 +112,14 @@ BAD_REQUESTS = {
     "max_tokens 0": (dict(max_tokens=np.array([[0]], dtype=np.int32)), "max_tokens must be >= 1"),
     "max_tokens negative": (dict(max_tokens=np.array([[-5]], dtype=np.int32)), "max_tokens must be >= 1"),
     "max_tokens over the limit": (dict(max_tokens=np.array([[MAX_SEQ_LEN]], dtype=np.int32)), "max_seq_len"),
-    "prompt over max_input_len": (dict(text_input=np.array([[b"fox " * 4 * MAX_INPUT_LEN]], dtype=object)),
-                                  "max_input_len"),
-    "wrong dtype": (dict(max_tokens=np.array([[4.0]], dtype=np.float32)), "data-type is .FP32., but model .ensemble. expects .INT32."),
+    "prompt over max_input_len": (
+        dict(text_input=np.array([[b"fox " * 4 * MAX_INPUT_LEN]], dtype=object)),
+        "max_input_len",
+    ),
+    "wrong dtype": (
+        dict(max_tokens=np.array([[4.0]], dtype=np.float32)),
+        "data-type is .FP32., but model .ensemble. expects .INT32.",
+    ),
     "wrong shape": (dict(text_input=np.array([[b"a", b"b"]], dtype=object)), "shape"),
     "invalid UTF-8": (dict(text_input=np.array([[b"\xff\xfe fox"]], dtype=object)), "not valid UTF-8"),
     "temperature < 0": (dict(temperature=np.array([[-1.0]], dtype=np.float32)), "temperature"),
@@ -190,9 +205,22 @@ def _serve_cli(engine_dir: Path, tmp: Path):
     specpipe = [sys.executable, "-m", "pipeline"]
     subprocess.run([*specpipe, "triton-repo", "--engine", str(engine_dir), "--output", str(repo)], check=True)
     with open(tmp / "serve.log", "w") as log:
-        proc = subprocess.Popen([*specpipe, "serve", "--repo", str(repo), "--http-port", str(ports.http),
-                                 "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics)],
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                *specpipe,
+                "serve",
+                "--repo",
+                str(repo),
+                "--http-port",
+                str(ports.http),
+                "--grpc-port",
+                str(ports.grpc),
+                "--metrics-port",
+                str(ports.metrics),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         ready = f"http://127.0.0.1:{ports.http}/v2/health/ready"
         deadline = time.monotonic() + READY_TIMEOUT_S
         while proc.poll() is None and time.monotonic() < deadline:
@@ -244,6 +272,9 @@ def test_bls_draft_model_loop_is_lossless(tiny_llama_dir, tmp_path):
                 assert bls.text == expected, (prompt, stream)
             assert generate(server.grpc_url, prompt, Sampling(max_tokens=n)).text == expected
         metrics = urllib.request.urlopen(server.metrics_url).read().decode()
-        drafted = [line for line in metrics.splitlines()
-                   if line.startswith("nv_inference_request_success{") and 'model="tensorrt_llm_draft"' in line]
+        drafted = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("nv_inference_request_success{") and 'model="tensorrt_llm_draft"' in line
+        ]
         assert drafted and float(drafted[0].split()[-1]) > 0, "the BLS loop never asked the draft model"

@@ -21,8 +21,25 @@ def test_serving_bench_through_real_triton(tiny_llama_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out"
-    assert main(["--engine", str(engine), "--device", "cpu", "--prompts", str(prompts),
-                 "--num-prompts", str(len(PROMPTS)), "--max-tokens", str(MAX_TOKENS), "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--engine",
+                str(engine),
+                "--device",
+                "cpu",
+                "--prompts",
+                str(prompts),
+                "--num-prompts",
+                str(len(PROMPTS)),
+                "--max-tokens",
+                str(MAX_TOKENS),
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "triton grpc-stream" in capsys.readouterr().out
     results = json.loads((out / "serving-cpu.json").read_text())
     base = results["in_process"]
@@ -38,11 +55,15 @@ def test_serving_bench_through_real_triton(tiny_llama_dir, tmp_path, capsys):
 
 
 def test_missing_engine_is_one_clear_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pipeline.bench.serving", "--engine", str(tmp_path / "nope")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.bench.serving", "--engine", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"serving: error: --engine {tmp_path / 'nope'}: no config.json; "
-                                                "build one with `specpipe build`"]
+    assert proc.stderr.strip().splitlines() == [
+        f"serving: error: --engine {tmp_path / 'nope'}: no config.json; build one with `specpipe build`"
+    ]
 
 
 def test_config_rejects_zero_tokens(tmp_path):

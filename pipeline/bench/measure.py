@@ -20,9 +20,17 @@ def warm_up(base_url: str, model: str, prompts: Sequence[str], requests_count: i
         stream_completion(base_url, completion_request(model, prompt, WARMUP_MAX_TOKENS))
 
 
-def measure_level(base_url: str, model: str, prompts: Sequence[str], references: Sequence[str], max_tokens: int,
-                  concurrency: int, tokenize: Callable[[str], list[int]], label: str,
-                  read_counters: CounterReader | None = None) -> dict[str, Any]:
+def measure_level(
+    base_url: str,
+    model: str,
+    prompts: Sequence[str],
+    references: Sequence[str],
+    max_tokens: int,
+    concurrency: int,
+    tokenize: Callable[[str], list[int]],
+    label: str,
+    read_counters: CounterReader | None = None,
+) -> dict[str, Any]:
     """All prompts at one concurrency level: latency/throughput summary, acceptance, agreement."""
     before = read_counters() if read_counters else {}
     load_before = os.getloadavg()[0]
@@ -39,8 +47,9 @@ def measure_level(base_url: str, model: str, prompts: Sequence[str], references:
         "acceptance_length": _acceptance(results, before, after, per_request),
         "acceptance_lengths": per_request,
         "spec_counters_delta": delta,
-        "vllm_acceptance_per_draft": stats.acceptance_length_from_drafts(delta.get("drafts", 0.0),
-                                                                         delta.get("accepted_tokens", 0.0)),
+        "vllm_acceptance_per_draft": stats.acceptance_length_from_drafts(
+            delta.get("drafts", 0.0), delta.get("accepted_tokens", 0.0)
+        ),
         "exact_match_rate": agree.exact_match_rate,
         "mean_first_divergence": agree.mean_first_divergence,
         "finish_reasons": sorted({str(r.finish_reason) for r in results}),
@@ -49,8 +58,9 @@ def measure_level(base_url: str, model: str, prompts: Sequence[str], references:
     }
 
 
-def _acceptance(results: Sequence[Any], before: dict[str, float], after: dict[str, float],
-                per_request: list[float]) -> float | None:
+def _acceptance(
+    results: Sequence[Any], before: dict[str, float], after: dict[str, float], per_request: list[float]
+) -> float | None:
     """Tokens per target forward pass for both systems, tokens / (tokens - accepted drafts): ours
     with accepted counts from each response's `spec` field, vLLM's from its counters' increase.
 

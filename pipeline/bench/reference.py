@@ -49,6 +49,11 @@ def _load(target: str) -> tuple[Any, Any]:
 @torch.inference_mode()
 def _generate(model: Any, tokenizer: Any, prompt: str, max_tokens: int) -> str:
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                         pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)

@@ -13,8 +13,10 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 MS = 1000.0
-TABLE_HEADER = ("| system | conc. | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | output tok/s | req/s | "
-                "accept. length | exact match | mean 1st divergence (tok) |")
+TABLE_HEADER = (
+    "| system | conc. | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | output tok/s | req/s | "
+    "accept. length | exact match | mean 1st divergence (tok) |"
+)
 
 
 def _json_safe(x: Any) -> Any:
@@ -40,12 +42,14 @@ def table_rows(systems: dict[str, Any]) -> list[str]:
                 f"| {name} | {r['concurrency']} | {_fmt(r['ttft_p50_s'] * MS, 0)} / {_fmt(r['ttft_p99_s'] * MS, 0)} | "
                 f"{_fmt(r['itl_p50_s'] * MS)} / {_fmt(r['itl_p99_s'] * MS)} | {_fmt(r['output_tokens_per_s'])} | "
                 f"{_fmt(r['requests_per_s'], 2)} | {_fmt(r['acceptance_length'], 2)} | "
-                f"{_fmt(r['exact_match_rate'] * 100, 0)}% | {_fmt(r['mean_first_divergence'])} |")
+                f"{_fmt(r['exact_match_rate'] * 100, 0)}% | {_fmt(r['mean_first_divergence'])} |"
+            )
     return rows
 
 
 def single_stream_ratios(systems: dict[str, Any], ours: str = "ours") -> list[str]:
     """Our tokens/s at concurrency 1 beside each vLLM mode's, with the ratio whichever way it falls."""
+
     def c1(name: str) -> float | None:
         runs = [r for r in systems.get(name, {}).get("runs", []) if r["concurrency"] == 1]
         return runs[0]["output_tokens_per_s"] if runs else None
@@ -56,8 +60,10 @@ def single_stream_ratios(systems: dict[str, Any], ours: str = "ours") -> list[st
         theirs = c1(name)
         if name == ours or theirs is None or mine is None:
             continue
-        lines.append(f"- {ours} {mine:.1f} tok/s vs {name} {theirs:.1f} tok/s at concurrency 1: "
-                     f"ours / {name} = {mine / theirs:.2f}×")
+        lines.append(
+            f"- {ours} {mine:.1f} tok/s vs {name} {theirs:.1f} tok/s at concurrency 1: "
+            f"ours / {name} = {mine / theirs:.2f}×"
+        )
     return lines
 
 
@@ -99,8 +105,12 @@ def plot_acceptance(systems: dict[str, Any], path: Path) -> None:
     for name, sys in systems.items():
         runs = [r for r in sys.get("runs", []) if r.get("acceptance_lengths")]
         if runs:
-            ax.hist(runs[0]["acceptance_lengths"], bins=20, alpha=0.6,
-                    label=f"{name} (per request, concurrency {runs[0]['concurrency']})")
+            ax.hist(
+                runs[0]["acceptance_lengths"],
+                bins=20,
+                alpha=0.6,
+                label=f"{name} (per request, concurrency {runs[0]['concurrency']})",
+            )
             continue
         means = [r["acceptance_length"] for r in sys.get("runs", []) if r.get("acceptance_length")]
         for i, m in enumerate(means):

@@ -64,8 +64,13 @@ class Run:
     def summary(self) -> dict[str, Any]:
         tokens = sum(len(o) for o in self.outputs)
         total = sum(self.seconds)
-        return {"tokens": tokens, "seconds": total, "tokens_per_s": tokens / total,
-                "median_request_ms": statistics.median(self.seconds) * 1e3, "request_s": self.seconds}
+        return {
+            "tokens": tokens,
+            "seconds": total,
+            "tokens_per_s": tokens / total,
+            "median_request_ms": statistics.median(self.seconds) * 1e3,
+            "request_s": self.seconds,
+        }
 
 
 def prompt_token_ids(engine: Engine, texts: list[str]) -> tuple[list[list[int]], bool]:
@@ -76,8 +81,9 @@ def prompt_token_ids(engine: Engine, texts: list[str]) -> tuple[list[list[int]],
     return [prompt_ids(engine.tokenizer, t, chat=chat) for t in texts], chat
 
 
-def time_each(prompts: list[list[int]], generate: Callable[[list[int]], list[int]], desc: str,
-              device: torch.device) -> Run:
+def time_each(
+    prompts: list[list[int]], generate: Callable[[list[int]], list[int]], desc: str, device: torch.device
+) -> Run:
     seconds, outputs = [], []
     for ids in tqdm(prompts, desc=desc, unit="prompt"):
         sync(device)
@@ -106,11 +112,15 @@ def run_triton(cfg: ServingConfig, prompts: list[list[int]], work: Path) -> dict
     with open(cfg.output / "tritonserver.log", "w") as log, TritonServer(repo, free_ports(), log=log) as server:
         for mode in MODES:
             stream = mode == "grpc-stream"
-            generate_ids(server.grpc_url, prompts[0], Sampling(max_tokens=WARMUP_TOKENS, end_id=IGNORE_END),
-                         stream=stream)
-            runs[mode] = time_each(prompts, lambda ids: generate_ids(server.grpc_url, ids, sampling,
-                                                                    stream=stream).output_ids,
-                                   f"triton {mode}", torch.device("cpu"))  # the client waits for the server
+            generate_ids(
+                server.grpc_url, prompts[0], Sampling(max_tokens=WARMUP_TOKENS, end_id=IGNORE_END), stream=stream
+            )
+            runs[mode] = time_each(
+                prompts,
+                lambda ids: generate_ids(server.grpc_url, ids, sampling, stream=stream).output_ids,
+                f"triton {mode}",
+                torch.device("cpu"),
+            )  # the client waits for the server
     return runs
 
 
@@ -119,10 +129,16 @@ def compare(in_process: Run, served: Run) -> dict[str, Any]:
     out = served.summary()
     ratio = out["tokens_per_s"] / base["tokens_per_s"]
     overhead = [(s - b) * 1e3 for s, b in zip(served.seconds, in_process.seconds)]
-    out.update({"ratio_vs_in_process": ratio, "median_overhead_ms": statistics.median(overhead),
-                "ids_identical": served.outputs == in_process.outputs,
-                "first_divergence": [first_divergence(a, b) for a, b in zip(in_process.outputs, served.outputs)],
-                "within_bar": ratio >= 1.0 - MAX_SLOWDOWN, "outputs": served.outputs})
+    out.update(
+        {
+            "ratio_vs_in_process": ratio,
+            "median_overhead_ms": statistics.median(overhead),
+            "ids_identical": served.outputs == in_process.outputs,
+            "first_divergence": [first_divergence(a, b) for a, b in zip(in_process.outputs, served.outputs)],
+            "within_bar": ratio >= 1.0 - MAX_SLOWDOWN,
+            "outputs": served.outputs,
+        }
+    )
     return out
 
 
@@ -142,9 +158,17 @@ def run_serving(cfg: ServingConfig) -> tuple[Path, dict[str, Any]]:
         served = run_triton(cfg, prompts, Path(work))
     results = {
         "environment": environment(device),
-        "config": {"engine": str(cfg.engine), "device": cfg.device, "prompts": str(cfg.prompts or "MT-bench"),
-                   "num_prompts": len(prompts), "max_tokens": cfg.max_tokens, "chat_template": chat,
-                   "greedy": True, "end_id_ignored": True, "max_slowdown": MAX_SLOWDOWN},
+        "config": {
+            "engine": str(cfg.engine),
+            "device": cfg.device,
+            "prompts": str(cfg.prompts or "MT-bench"),
+            "num_prompts": len(prompts),
+            "max_tokens": cfg.max_tokens,
+            "chat_template": chat,
+            "greedy": True,
+            "end_id_ignored": True,
+            "max_slowdown": MAX_SLOWDOWN,
+        },
         "in_process": {**in_process.summary(), "outputs": in_process.outputs},
         "triton": {mode: compare(in_process, run) for mode, run in served.items()},
     }
@@ -155,11 +179,15 @@ def run_serving(cfg: ServingConfig) -> tuple[Path, dict[str, Any]]:
 
 def format_table(results: dict[str, Any]) -> str:
     base = results["in_process"]
-    lines = [f"{'way':<20}{'tokens':>8}{'tok/s':>10}{'x in-proc':>11}{'overhead ms':>13}{'ids same':>10}",
-             f"{'in-process':<20}{base['tokens']:>8}{base['tokens_per_s']:>10.1f}{1.0:>11.3f}{0.0:>13.1f}{'-':>10}"]
+    lines = [
+        f"{'way':<20}{'tokens':>8}{'tok/s':>10}{'x in-proc':>11}{'overhead ms':>13}{'ids same':>10}",
+        f"{'in-process':<20}{base['tokens']:>8}{base['tokens_per_s']:>10.1f}{1.0:>11.3f}{0.0:>13.1f}{'-':>10}",
+    ]
     for mode, r in results["triton"].items():
-        lines.append(f"{'triton ' + mode:<20}{r['tokens']:>8}{r['tokens_per_s']:>10.1f}{r['ratio_vs_in_process']:>11.3f}"
-                     f"{r['median_overhead_ms']:>13.1f}{str(r['ids_identical']):>10}")
+        lines.append(
+            f"{'triton ' + mode:<20}{r['tokens']:>8}{r['tokens_per_s']:>10.1f}{r['ratio_vs_in_process']:>11.3f}"
+            f"{r['median_overhead_ms']:>13.1f}{str(r['ids_identical']):>10}"
+        )
         if not r["ids_identical"]:
             lines.append(f"{'':<20}first differing token per prompt: {r['first_divergence']}")
     ok = all(r["within_bar"] and r["ids_identical"] for r in results["triton"].values())
@@ -172,14 +200,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m pipeline.bench.serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", type=Path, required=True, help="portable engine directory")
     p.add_argument("--device", default=d["device"])
-    p.add_argument("--prompts", type=Path, help="JSONL with a `prompt` or `turns` field (default: MT-bench first turns)")
+    p.add_argument(
+        "--prompts", type=Path, help="JSONL with a `prompt` or `turns` field (default: MT-bench first turns)"
+    )
     p.add_argument("--num-prompts", type=int, default=d["num_prompts"])
     p.add_argument("--max-tokens", type=int, default=d["max_tokens"])
-    p.add_argument("--output", type=Path, default=d["output"], help="folder for serving-<device>.json and tritonserver.log")
+    p.add_argument(
+        "--output", type=Path, default=d["output"], help="folder for serving-<device>.json and tritonserver.log"
+    )
     args = p.parse_args(argv)
     try:
-        cfg = ServingConfig(engine=args.engine, device=args.device, prompts=args.prompts,
-                            num_prompts=args.num_prompts, max_tokens=args.max_tokens, output=args.output)
+        cfg = ServingConfig(
+            engine=args.engine,
+            device=args.device,
+            prompts=args.prompts,
+            num_prompts=args.num_prompts,
+            max_tokens=args.max_tokens,
+            output=args.output,
+        )
         path, results = run_serving(cfg)
     except (UserError, RequestError) as exc:  # a prompt set the engine cannot take is the user's to fix too
         print(f"serving: error: {exc}", file=sys.stderr)

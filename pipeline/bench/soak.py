@@ -37,11 +37,11 @@ CHUNKS_BEFORE_CANCEL = 2
 # Share of each kind of request; the rest are normal.
 CANCELLED_SHARE, BAD_SHARE = 0.15, 0.15
 BAD_BODIES = (
-    {"max_tokens": 4},                                             # no text_input
-    {"text_input": "hi", "max_tokens": 4, "tempreature": 0.5},     # unknown input
-    {"text_input": "hi", "max_tokens": 4, "temperature": -1},      # bad value
-    {"text_input": "hi", "max_tokens": 4, "end_id": 10**7},        # id outside the vocabulary
-    {"text_input": "hello " * 200_000, "max_tokens": 4},           # 1.2 MB prompt
+    {"max_tokens": 4},  # no text_input
+    {"text_input": "hi", "max_tokens": 4, "tempreature": 0.5},  # unknown input
+    {"text_input": "hi", "max_tokens": 4, "temperature": -1},  # bad value
+    {"text_input": "hi", "max_tokens": 4, "end_id": 10**7},  # id outside the vocabulary
+    {"text_input": "hello " * 200_000, "max_tokens": 4},  # 1.2 MB prompt
 )
 PROGRESS_EVERY_S = 10.0
 REQUEST_TIMEOUT_S = 300.0
@@ -114,8 +114,12 @@ def cancelled(server: TritonServer, tally: Tally, rng: random.Random) -> None:
 
 def bad(server: TritonServer, tally: Tally, rng: random.Random) -> None:
     body = rng.choice(BAD_BODIES)
-    reply = requests.post(f"http://{server.http_url}/v2/models/{rng.choice((ENSEMBLE, BLS))}/generate",
-                          data=json.dumps(body), headers={"Content-Type": "application/json"}, timeout=REQUEST_TIMEOUT_S)
+    reply = requests.post(
+        f"http://{server.http_url}/v2/models/{rng.choice((ENSEMBLE, BLS))}/generate",
+        data=json.dumps(body),
+        headers={"Content-Type": "application/json"},
+        timeout=REQUEST_TIMEOUT_S,
+    )
     if reply.status_code == 400:
         tally.add("bad (refused with 400)", True)
     else:
@@ -144,26 +148,36 @@ def soak(server: TritonServer, minutes: float, concurrency: int) -> dict:
     tally = Tally()
     start = time.monotonic()
     deadline = start + minutes * 60
-    threads = [threading.Thread(target=client_loop, args=(server, tally, i, deadline), daemon=True)
-               for i in range(concurrency)]
+    threads = [
+        threading.Thread(target=client_loop, args=(server, tally, i, deadline), daemon=True) for i in range(concurrency)
+    ]
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):
         time.sleep(PROGRESS_EVERY_S)
         with tally.lock:
-            print(f"soak {time.monotonic() - start:6.0f} s: sent {sum(tally.sent.values())}, "
-                  f"answered {sum(tally.answered.values())}, errors {sum(tally.errors.values())}", flush=True)
+            print(
+                f"soak {time.monotonic() - start:6.0f} s: sent {sum(tally.sent.values())}, "
+                f"answered {sum(tally.answered.values())}, errors {sum(tally.errors.values())}",
+                flush=True,
+            )
     for t in threads:
         t.join()
     latencies = np.array(tally.latencies_s or [0.0])
     rss_end = server_rss(server.process.pid)
     return {
-        "minutes": minutes, "concurrency": concurrency, "seconds": time.monotonic() - start,
-        "sent": dict(tally.sent), "answered": dict(tally.answered), "errors": dict(tally.errors),
+        "minutes": minutes,
+        "concurrency": concurrency,
+        "seconds": time.monotonic() - start,
+        "sent": dict(tally.sent),
+        "answered": dict(tally.answered),
+        "errors": dict(tally.errors),
         "normal_latency_s": {f"p{p}": float(np.percentile(latencies, p)) for p in PERCENTILES},
-        "rss_start_bytes": rss_start, "rss_end_bytes": rss_end,
+        "rss_start_bytes": rss_start,
+        "rss_end_bytes": rss_end,
         "rss_growth": {k: rss_end.get(k, 0) / v - 1 for k, v in rss_start.items() if v},
-        "server_alive": server.process.poll() is None, "stub_reloads": server.watchdog.reloads,
+        "server_alive": server.process.poll() is None,
+        "stub_reloads": server.watchdog.reloads,
     }
 
 
@@ -172,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repo", default="triton_repo", help="model repository (a server is started on it)")
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--output", type=Path, default=None,
-                        help="JSON report (default bench/soak-<date>-c<concurrency>.json)")
+    parser.add_argument(
+        "--output", type=Path, default=None, help="JSON report (default bench/soak-<date>-c<concurrency>.json)"
+    )
     args = parser.parse_args(argv)
     output = args.output or Path("bench") / f"soak-{date.today().isoformat()}-c{args.concurrency}.json"
     output.parent.mkdir(parents=True, exist_ok=True)

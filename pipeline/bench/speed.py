@@ -47,17 +47,47 @@ SUITES = ("roofline", "smollm2", "coldstart")
 SMOLLM2_DTYPES = ("float32", "bfloat16", "float16")
 SEED = 0
 
-LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                        head_size=128, intermediate_size=14336, norm_epsilon=1e-5, rope_theta=500000.0,
-                        rope_scaling=None, max_position_embeddings=8192)
+LLAMA3_8B = ModelConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_size=128,
+    intermediate_size=14336,
+    norm_epsilon=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=None,
+    max_position_embeddings=8192,
+)
 # The same code path at a size the CPU runs in seconds (tests, `--shape tiny`).
-TINY_SHAPE = ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_size=16,
-                         intermediate_size=128, norm_epsilon=1e-5, rope_theta=10000.0, rope_scaling=None,
-                         max_position_embeddings=1024)
+TINY_SHAPE = ModelConfig(
+    vocab_size=512,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_size=16,
+    intermediate_size=128,
+    norm_epsilon=1e-5,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    max_position_embeddings=1024,
+)
 # SmolLM2-135M's shape with random weights: where launches, not bandwidth, bound a step.
-SMOLLM2_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
-                            head_size=64, intermediate_size=1536, norm_epsilon=1e-5, rope_theta=100000.0,
-                            rope_scaling=None, max_position_embeddings=8192)
+SMOLLM2_SHAPE = ModelConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_size=64,
+    intermediate_size=1536,
+    norm_epsilon=1e-5,
+    rope_theta=100000.0,
+    rope_scaling=None,
+    max_position_embeddings=8192,
+)
 SHAPES = {"llama3-8b": LLAMA3_8B, "smollm2": SMOLLM2_SHAPE, "tiny": TINY_SHAPE}
 
 VERIFY_TREE_SIZES = (8, 16, 32, 64)  # nodes, root included: the first N-1 paths of Medusa's default tree
@@ -135,15 +165,24 @@ def device_tag(device: torch.device) -> str:
 def environment(device: torch.device) -> dict[str, Any]:
     import transformers
 
-    env = {"date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
-           "torch": torch.__version__, "transformers": transformers.__version__, "device": device_tag(device),
-           "cpu_threads": torch.get_num_threads()}
+    env = {
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device_tag(device),
+        "cpu_threads": torch.get_num_threads(),
+    }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
         try:
-            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True, check=True).stdout.strip()
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             env["driver"] = "unknown (nvidia-smi not available)"
     return env
@@ -172,8 +211,13 @@ class _IdsOnly:
         return ""
 
 
-def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 build: Callable[[ModelConfig], torch.nn.Module] = Transformer, seed: int = SEED) -> torch.nn.Module:
+def random_model(
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    build: Callable[[ModelConfig], torch.nn.Module] = Transformer,
+    seed: int = SEED,
+) -> torch.nn.Module:
     """build(cfg) with seeded random weights, made in `dtype` on `device` (no float32 copy on the way)."""
     torch.manual_seed(seed)
     old = torch.get_default_dtype()
@@ -199,8 +243,10 @@ def decode_rates(engine: Engine, prompt: list[int], tokens: int, repeats: int) -
     device = engine.device
     one = lambda: engine.generate(prompt, SamplingParams(max_tokens=1, end_id=-1))
     full = lambda: engine.generate(prompt, SamplingParams(max_tokens=tokens + 1, end_id=-1))
-    return [tokens / (median_seconds(full, device, 1, warmup) - median_seconds(one, device, 1, warmup))
-            for warmup in [1] + [0] * (repeats - 1)]
+    return [
+        tokens / (median_seconds(full, device, 1, warmup) - median_seconds(one, device, 1, warmup))
+        for warmup in [1] + [0] * (repeats - 1)
+    ]
 
 
 def decode_rate(engine: Engine, prompt: list[int], tokens: int, repeats: int) -> float:
@@ -213,7 +259,7 @@ def verify_costs(engine: Engine, prefix_len: int, sizes: tuple[int, ...], repeat
     gen = torch.Generator().manual_seed(SEED)
     out = {}
     for size in (1, *sizes):
-        tree = build_tree(MC_SIM_7B_63[:size - 1]).to(device) if size > 1 else None
+        tree = build_tree(MC_SIM_7B_63[: size - 1]).to(device) if size > 1 else None
         tokens = torch.randint(vocab, (size,), generator=gen).to(device)
         depths = tree.depths if tree is not None else torch.zeros(1, dtype=torch.long, device=device)
         mask = tree.mask if tree is not None else None
@@ -237,11 +283,17 @@ def run_roofline(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
     weight_bytes = streamed_bytes(model)
     best_bw = max(bandwidth["copy_gbps"], bandwidth["read_gbps"]) * GB
     floor_tps = best_bw / weight_bytes
-    result: dict[str, Any] = {"shape": cfg.shape, "dtype": str(dtype).removeprefix("torch."),
-                              "weight_bytes_per_step": weight_bytes, "bandwidth": bandwidth,
-                              "floor_step_ms": 1e3 / floor_tps, "floor_tokens_per_s": floor_tps,
-                              "kv_slots": engine.cache.num_slots, "kernel_layers": attach(model),
-                              "kernels": level() if device.type == "cuda" else "off"}
+    result: dict[str, Any] = {
+        "shape": cfg.shape,
+        "dtype": str(dtype).removeprefix("torch."),
+        "weight_bytes_per_step": weight_bytes,
+        "bandwidth": bandwidth,
+        "floor_step_ms": 1e3 / floor_tps,
+        "floor_tokens_per_s": floor_tps,
+        "kv_slots": engine.cache.num_slots,
+        "kernel_layers": attach(model),
+        "kernels": level() if device.type == "cuda" else "off",
+    }
     with torch.inference_mode():
         runs = decode_rates(engine, prompt, cfg.decode_tokens, cfg.repeats)
         tps = statistics.median(runs)
@@ -251,8 +303,11 @@ def run_roofline(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
         costs = verify_costs(engine, ROOFLINE_PROMPT_LEN, VERIFY_TREE_SIZES, cfg.repeats)
         result["verify_ms"] = {str(k): v * 1e3 for k, v in costs.items()}
         result["verify_cost_vs_1"] = {str(k): v / costs[1] for k, v in costs.items()}
-        print(f"roofline: decode {tps:.1f} tok/s = {tps / floor_tps:.1%} of the floor; verification of "
-              f"{max(costs)} tokens {costs[max(costs)] / costs[1]:.2f}x one token", flush=True)
+        print(
+            f"roofline: decode {tps:.1f} tok/s = {tps / floor_tps:.1%} of the floor; verification of "
+            f"{max(costs)} tokens {costs[max(costs)] / costs[1]:.2f}x one token",
+            flush=True,
+        )
         if cfg.profile_tokens:  # which kernels the remaining gap to the floor is spent in
             result["profile"] = profile_request(engine, prompt, cfg.profile_tokens)
         if engine.graphs is not None and cfg.comparisons:
@@ -264,18 +319,23 @@ def run_roofline(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
                     attach(model, kernels)
                     engine.graphs = GraphedTarget(model, engine.cache, ())
                     result["decode_tokens_per_s_by_kernels"][kernels] = decode_rate(
-                        engine, prompt, cfg.decode_tokens, cfg.repeats)
+                        engine, prompt, cfg.decode_tokens, cfg.repeats
+                    )
             attach(model)
             # what compilation buys: the same graphs of uncompiled kernels
             engine.graphs = GraphedTarget(model, engine.cache, (), compile=False)
             result["uncompiled_graph_decode_tokens_per_s"] = decode_rate(engine, prompt, cfg.decode_tokens, cfg.repeats)
-            result["uncompiled_graph_verify_ms"] = {str(k): v * 1e3 for k, v in verify_costs(
-                engine, ROOFLINE_PROMPT_LEN, (max(VERIFY_TREE_SIZES),), 1).items()}
+            result["uncompiled_graph_verify_ms"] = {
+                str(k): v * 1e3
+                for k, v in verify_costs(engine, ROOFLINE_PROMPT_LEN, (max(VERIFY_TREE_SIZES),), 1).items()
+            }
             engine.graphs = None  # and what the graphs buy: the same loop, eagerly
             eager = decode_rate(engine, prompt, cfg.decode_tokens // 4, 1)
             result["eager_decode_tokens_per_s"] = eager
-            result["eager_verify_ms"] = {str(k): v * 1e3 for k, v in
-                                         verify_costs(engine, ROOFLINE_PROMPT_LEN, (max(VERIFY_TREE_SIZES),), 1).items()}
+            result["eager_verify_ms"] = {
+                str(k): v * 1e3
+                for k, v in verify_costs(engine, ROOFLINE_PROMPT_LEN, (max(VERIFY_TREE_SIZES),), 1).items()
+            }
     del engine, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -316,30 +376,43 @@ METHODS: dict[str, Method] = {
     "medusa-dynamic-unfused": Method("medusa", "smollm2-medusa", MEDUSA_DYNAMIC, env=UNFUSED_DRAFT_TOPK),
     # The widest tree a graph replays, top-k 128 a head: the Medusa tree that reaches 2.5 tokens a step
     # (BENCHMARKS.md, drafts' acceptance), slower than plain at 135M.
-    "medusa-dynamic-xl": Method("medusa", "smollm2-medusa", {"dynamic_tree": True, "dynamic_top_k": 128,
-                                                             "max_non_leaves_per_layer": 128, "max_draft_len": 255}),
+    "medusa-dynamic-xl": Method(
+        "medusa",
+        "smollm2-medusa",
+        {"dynamic_tree": True, "dynamic_top_k": 128, "max_non_leaves_per_layer": 128, "max_draft_len": 255},
+    ),
     "eagle-static": Method("eagle", "smollm2-eagle"),
     "eagle-dynamic": Method("eagle", "smollm2-eagle", {"dynamic_tree": True}),
-    "eagle-dynamic-deep": Method("eagle", "smollm2-eagle",
-                                 {"dynamic_tree": True, "dynamic_depth": 6, "dynamic_top_k": 10}, EAGLE_DEEP),
+    "eagle-dynamic-deep": Method(
+        "eagle", "smollm2-eagle", {"dynamic_tree": True, "dynamic_depth": 6, "dynamic_top_k": 10}, EAGLE_DEEP
+    ),
     # The drafter's LM head, log-softmax and torch.topk as three ops (SPECPIPE_DRAFT_TOPK), beside the
     # default's one kernel.
     "eagle-dynamic-unfused": Method("eagle", "smollm2-eagle", {"dynamic_tree": True}, env=UNFUSED_DRAFT_TOPK),
     # The widest tree a graph replays (MAX_GRAPH_TOKENS): the most acceptance, for 11 draft passes a step.
-    "eagle-dynamic-xl": Method("eagle", "smollm2-eagle",
-                               {"dynamic_tree": True, "dynamic_depth": 12, "dynamic_top_k": 10, "max_draft_len": 255},
-                               {"num_eagle_layers": 12, "max_draft_len": 255}),
+    "eagle-dynamic-xl": Method(
+        "eagle",
+        "smollm2-eagle",
+        {"dynamic_tree": True, "dynamic_depth": 12, "dynamic_top_k": 10, "max_draft_len": 255},
+        {"num_eagle_layers": 12, "max_draft_len": 255},
+    ),
     "eagle3": Method("eagle3", "smollm2-eagle3", {"dynamic_tree": True}),
     "eagle3-deep": Method("eagle3", "smollm2-eagle3", EAGLE3_DEEP),
     # The same with a draft vocabulary of the 16,384 / 8,192 tokens most frequent in the drafts' training responses
     # (convert --draft-vocab): the LM head each of the 7 depths reads shrinks 3-6x.
-    "eagle3-deep-v16k": Method("eagle3", "smollm2-eagle3", EAGLE3_DEEP, {"draft_vocab": 16384},
-                               vocab_tokens=VOCAB_TOKENS),
-    "eagle3-deep-v8k": Method("eagle3", "smollm2-eagle3", EAGLE3_DEEP, {"draft_vocab": 8192}, vocab_tokens=VOCAB_TOKENS),
+    "eagle3-deep-v16k": Method(
+        "eagle3", "smollm2-eagle3", EAGLE3_DEEP, {"draft_vocab": 16384}, vocab_tokens=VOCAB_TOKENS
+    ),
+    "eagle3-deep-v8k": Method(
+        "eagle3", "smollm2-eagle3", EAGLE3_DEEP, {"draft_vocab": 8192}, vocab_tokens=VOCAB_TOKENS
+    ),
     # EAGLE-3 reuses one draft layer at every depth, so only the checkpoint's draft length bounds the tree.
-    "eagle3-xl": Method("eagle3", "smollm2-eagle3",
-                        {"dynamic_tree": True, "dynamic_depth": 12, "dynamic_top_k": 10, "max_draft_len": 255},
-                        {"max_draft_len": 255}),
+    "eagle3-xl": Method(
+        "eagle3",
+        "smollm2-eagle3",
+        {"dynamic_tree": True, "dynamic_depth": 12, "dynamic_top_k": 10, "max_draft_len": 255},
+        {"max_draft_len": 255},
+    ),
     # Smaller trees (the number: draft tokens): a cheaper step against less acceptance.
     "medusa-top16": Method("medusa", "smollm2-medusa", {"choices": "top16"}),
     "medusa-top32": Method("medusa", "smollm2-medusa", {"choices": "top32"}),
@@ -368,10 +441,15 @@ def build_engines(cfg: BenchConfig, source: Any, names: list[str]) -> dict[str, 
             draft = {method.draft: str(cfg.drafts / method.draft_dir)} if method.draft else {}
             if method.vocab_tokens:
                 draft["vocab_tokens"] = str(cfg.drafts / method.vocab_tokens)
-            checkpoints[key] = convert(source, cfg.work_dir / f"ckpt-{key}-{cfg.dtype}", dtype=cfg.dtype,
-                                       drafts=DraftInputs(**draft, **method.convert))
-        opts = BuildOptions(max_batch_size=1, max_input_len=BENCH_MAX_INPUT_LEN, max_seq_len=BENCH_MAX_SEQ_LEN,
-                            **method.build)
+            checkpoints[key] = convert(
+                source,
+                cfg.work_dir / f"ckpt-{key}-{cfg.dtype}",
+                dtype=cfg.dtype,
+                drafts=DraftInputs(**draft, **method.convert),
+            )
+        opts = BuildOptions(
+            max_batch_size=1, max_input_len=BENCH_MAX_INPUT_LEN, max_seq_len=BENCH_MAX_SEQ_LEN, **method.build
+        )
         engines[name] = build_engine(checkpoints[key], cfg.work_dir / f"engine-{name}-{cfg.dtype}", "portable", opts)
     return engines
 
@@ -396,8 +474,9 @@ def chat_ids(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     return [prompt_ids(tokenizer, p, chat=True) for p in prompts]
 
 
-def run_engines(names: list[str], engine_dirs: dict[str, Path], prompts: list[list[int]], cfg: BenchConfig,
-                device: torch.device) -> dict[str, Any]:
+def run_engines(
+    names: list[str], engine_dirs: dict[str, Path], prompts: list[list[int]], cfg: BenchConfig, device: torch.device
+) -> dict[str, Any]:
     """Every method's tokens/s on the prompts. Interleaved (cfg.interleave, default on CUDA): all engines
     loaded, each prompt run by every method in turn (the order reversed every other prompt), so that a
     host drifting over minutes moves every method alike and all run the same prompts. Otherwise one
@@ -406,14 +485,15 @@ def run_engines(names: list[str], engine_dirs: dict[str, Path], prompts: list[li
     is reported with its error; plain's failure ends the run."""
     interleave = cfg.device.startswith("cuda") if cfg.interleave is None else cfg.interleave
     results: dict[str, Any] = {}
-    for group in ([names] if interleave else [[name] for name in names]):
+    for group in [names] if interleave else [[name] for name in names]:
         results.update(run_group(group, engine_dirs, prompts, cfg, device))
         save_json(cfg.output / "partial-smollm2.json", results)
     return results
 
 
-def run_group(names: list[str], engine_dirs: dict[str, Path], prompts: list[list[int]], cfg: BenchConfig,
-              device: torch.device) -> dict[str, Any]:
+def run_group(
+    names: list[str], engine_dirs: dict[str, Path], prompts: list[list[int]], cfg: BenchConfig, device: torch.device
+) -> dict[str, Any]:
     params = SamplingParams(max_tokens=cfg.max_tokens, end_id=-1)
     engines: dict[str, Engine] = {}
     runs: dict[str, dict[str, Any]] = {}
@@ -466,15 +546,23 @@ def run_group(names: list[str], engine_dirs: dict[str, Path], prompts: list[list
         total = SpecStats.total(run["stats"])
         tokens, seconds = sum(len(o) for o in run["outputs"]), sum(run["request_s"])
         results[name] = {
-            "method": name, "spec_mode": METHODS[name].draft or METHODS[name].build.get("speculative", "none"),
-            "build": METHODS[name].build, "convert": METHODS[name].convert, "env": METHODS[name].env,
+            "method": name,
+            "spec_mode": METHODS[name].draft or METHODS[name].build.get("speculative", "none"),
+            "build": METHODS[name].build,
+            "convert": METHODS[name].convert,
+            "env": METHODS[name].env,
             "prompts": len(run["outputs"]),
             "interleaved_with": [n for n in names if n != name and n not in failed],
-            "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds,
             "request_s": run["request_s"],  # per prompt, in order: runs compare on the prompts both ran
-            "acceptance_length": total.acceptance_length, "per_depth_acceptance": total.per_depth_acceptance,
+            "acceptance_length": total.acceptance_length,
+            "per_depth_acceptance": total.per_depth_acceptance,
             "draft_tokens_per_step": total.draft_tokens / total.steps if total.steps else 0.0,
-            "outputs": run["outputs"], **({"profile": profile} if profile else {})}
+            "outputs": run["outputs"],
+            **({"profile": profile} if profile else {}),
+        }
     return results
 
 
@@ -506,10 +594,14 @@ def profile_request(engine: Engine, ids: list[int], tokens: int) -> dict[str, An
     events = prof.key_averages()
     device_key = "self_device_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
     device_us = sum(getattr(e, device_key, 0.0) for e in events) if engine.device.type == "cuda" else None
-    return {"tokens": tokens, "steps": result.stats.steps, "wall_ms_per_step": wall * 1e3 / max(result.stats.steps, 1),
-            "device_busy_ms_per_step": None if device_us is None else device_us / 1e3 / max(result.stats.steps, 1),
-            "top_device_ops": events.table(sort_by=device_key, row_limit=PROFILE_ROWS),
-            "top_host_ops": events.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)}
+    return {
+        "tokens": tokens,
+        "steps": result.stats.steps,
+        "wall_ms_per_step": wall * 1e3 / max(result.stats.steps, 1),
+        "device_busy_ms_per_step": None if device_us is None else device_us / 1e3 / max(result.stats.steps, 1),
+        "top_device_ops": events.table(sort_by=device_key, row_limit=PROFILE_ROWS),
+        "top_host_ops": events.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS),
+    }
 
 
 def run_hf(name: str, model: Any, prompts: list[list[int]], cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
@@ -517,9 +609,10 @@ def run_hf(name: str, model: Any, prompts: list[list[int]], cfg: BenchConfig, de
 
     def generate(ids: list[int], new: int) -> list[int]:
         x = torch.tensor([ids], device=device)
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
-                             pad_token_id=0, **extra)
-        return out[0, len(ids):].tolist()
+        out = model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False, pad_token_id=0, **extra
+        )
+        return out[0, len(ids) :].tolist()
 
     with torch.inference_mode():
         generate(prompts[0], 8)
@@ -531,9 +624,16 @@ def run_hf(name: str, model: Any, prompts: list[list[int]], cfg: BenchConfig, de
             sync(device)
             seconds += time.perf_counter() - start
     tokens = sum(len(o) for o in outputs)
-    return {"method": name, "prompts": len(outputs), "tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "acceptance_length": None, "outputs": outputs,
-            "generate_kwargs": extra}
+    return {
+        "method": name,
+        "prompts": len(outputs),
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "acceptance_length": None,
+        "outputs": outputs,
+        "generate_kwargs": extra,
+    }
 
 
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str, float]:
@@ -545,8 +645,10 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str,
     for a, b in pairs:
         n = min(len(a), len(b))
         first.append(next((i for i in range(n) if a[i] != b[i]), n))
-    return {"exact_match_rate": sum(a == b for a, b in pairs) / len(pairs),
-            "mean_first_divergence": sum(first) / len(first)}
+    return {
+        "exact_match_rate": sum(a == b for a, b in pairs) / len(pairs),
+        "mean_first_divergence": sum(first) / len(first),
+    }
 
 
 def run_smollm2(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
@@ -566,7 +668,7 @@ def run_smollm2(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
         model = load_hf_model(source, dtype=torch.float32, device=str(device))
         model.generation_config.eos_token_id = None  # fixed-length outputs, like end_id=-1 in ours
         for name in HF_METHODS:
-            results[name] = run_hf(name, model, prompts[:cfg.hf_prompts], cfg, device)
+            results[name] = run_hf(name, model, prompts[: cfg.hf_prompts], cfg, device)
         del model
     plain = results["plain"]
     for r in results.values():
@@ -574,10 +676,16 @@ def run_smollm2(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
             continue
         r["speedup_vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"]
         r.update(agreement(r["outputs"], plain["outputs"]))
-        r["outputs"] = [o[:cfg.max_tokens] for o in r["outputs"]]
-    return {"prompt_set": "MT-bench first turns (chat template)", "num_prompts_requested": cfg.num_prompts,
-            "max_tokens": cfg.max_tokens, "dtype": cfg.dtype, "hf_dtype": "float32", "greedy": True,
-            "methods": results}
+        r["outputs"] = [o[: cfg.max_tokens] for o in r["outputs"]]
+    return {
+        "prompt_set": "MT-bench first turns (chat template)",
+        "num_prompts_requested": cfg.num_prompts,
+        "max_tokens": cfg.max_tokens,
+        "dtype": cfg.dtype,
+        "hf_dtype": "float32",
+        "greedy": True,
+        "methods": results,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -586,9 +694,11 @@ def run_smollm2(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
 
 # `specpipe generate` with only the engine's subcommands registered: the serving modules need
 # tritonclient, which a bare GPU machine lacks, and their import time is no part of a cold start.
-COLDSTART_CHILD = ("import argparse, sys; from pipeline.engine.cli import register; p = argparse.ArgumentParser(); "
-                   "register(p.add_subparsers(dest='command', required=True)); a = p.parse_args(); "
-                   "sys.exit(a.func(a))")
+COLDSTART_CHILD = (
+    "import argparse, sys; from pipeline.engine.cli import register; p = argparse.ArgumentParser(); "
+    "register(p.add_subparsers(dest='command', required=True)); a = p.parse_args(); "
+    "sys.exit(a.func(a))"
+)
 
 
 def run_coldstart(cfg: BenchConfig, device: torch.device, engines: dict[str, Path]) -> dict[str, Any]:
@@ -602,13 +712,33 @@ def run_coldstart(cfg: BenchConfig, device: torch.device, engines: dict[str, Pat
     for name, engine_dir in engines.items():
         out[name] = {}
         with tempfile.TemporaryDirectory(prefix="specpipe-compile-cache-") as cache_dir:
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(Path(cache_dir) / "inductor"),
-                   "TRITON_CACHE_DIR": str(Path(cache_dir) / "triton")}
+            env = {
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                "TORCHINDUCTOR_CACHE_DIR": str(Path(cache_dir) / "inductor"),
+                "TRITON_CACHE_DIR": str(Path(cache_dir) / "triton"),
+            }
             for run in ("empty_compile_cache", "warm_compile_cache"):
                 start = time.perf_counter()
-                proc = subprocess.run([sys.executable, "-c", COLDSTART_CHILD, "generate", "--engine", str(engine_dir),
-                                       "--prompt", "Hello", "--max-tokens", "1", "--device", str(device)],
-                                      capture_output=True, text=True, env=env)
+                proc = subprocess.run(
+                    [
+                        sys.executable,
+                        "-c",
+                        COLDSTART_CHILD,
+                        "generate",
+                        "--engine",
+                        str(engine_dir),
+                        "--prompt",
+                        "Hello",
+                        "--max-tokens",
+                        "1",
+                        "--device",
+                        str(device),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                )
                 seconds = time.perf_counter() - start
                 if proc.returncode:
                     raise UserError(f"cold start of {engine_dir} failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -625,8 +755,10 @@ def run_bench(cfg: BenchConfig) -> Path:
         raise UserError(f"--device {cfg.device}: no CUDA device here; use --device cpu")
     device = torch.device(cfg.device)
     torch.manual_seed(SEED)
-    results: dict[str, Any] = {"environment": environment(device), "config": {
-        k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()}}
+    results: dict[str, Any] = {
+        "environment": environment(device),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()},
+    }
     if "roofline" in cfg.suites:
         results["roofline"] = run_roofline(cfg, device)
     if "smollm2" in cfg.suites:
@@ -635,8 +767,10 @@ def run_bench(cfg: BenchConfig) -> Path:
         built = {n: cfg.work_dir / f"engine-{n}-{cfg.dtype}" for n in ("plain", "eagle-dynamic")}
         built = {n: path for n, path in built.items() if path.is_dir()}
         if not built:
-            raise UserError(f"--suites coldstart: no {cfg.dtype} engines in {cfg.work_dir}; run the smollm2 suite "
-                            "first (same --work-dir and --dtype)")
+            raise UserError(
+                f"--suites coldstart: no {cfg.dtype} engines in {cfg.work_dir}; run the smollm2 suite "
+                "first (same --work-dir and --dtype)"
+            )
         results["coldstart"] = run_coldstart(cfg, device, built)
     path = cfg.output / f"results-{device_tag(device)}.json"
     save_json(path, results)
@@ -656,27 +790,42 @@ def profile_line(prof: dict[str, Any]) -> str:
     if "error" in prof:
         return f"profile failed: {prof['error'][:120]}"
     busy = prof["device_busy_ms_per_step"]
-    return f"profiled: {prof['wall_ms_per_step']:.2f} ms a step" + (f", device busy {busy:.2f} ms" if busy is not None else "")
+    return f"profiled: {prof['wall_ms_per_step']:.2f} ms a step" + (
+        f", device busy {busy:.2f} ms" if busy is not None else ""
+    )
 
 
 def format_table(results: dict[str, Any]) -> str:
     env = results["environment"]
-    lines = [f"device {env.get('gpu', 'cpu')}  driver {env.get('driver', '-')}  torch {env['torch']}  "
-             f"transformers {env['transformers']}  {env['date_utc']}"]
+    lines = [
+        f"device {env.get('gpu', 'cpu')}  driver {env.get('driver', '-')}  torch {env['torch']}  "
+        f"transformers {env['transformers']}  {env['date_utc']}"
+    ]
     roof = results.get("roofline")
     if roof:
         bw = roof["bandwidth"]
-        lines += [f"bandwidth: copy {bw['copy_gbps']:.0f} GB/s (read+write), read {bw['read_gbps']:.0f} GB/s",
-                  f"{roof['shape']} {roof['dtype']}: {roof['weight_bytes_per_step'] / GB:.2f} GB/step, floor "
-                  f"{roof['floor_step_ms']:.3f} ms = {roof['floor_tokens_per_s']:.1f} tok/s",
-                  f"plain decode {roof['decode_tokens_per_s']:.1f} tok/s = {roof['decode_fraction_of_floor']:.1%} of floor"
-                  + (" (runs {:.1f}-{:.1f})".format(min(roof["decode_tokens_per_s_runs"]), max(roof["decode_tokens_per_s_runs"]))
-                     if "decode_tokens_per_s_runs" in roof else "")
-                  + "".join(f", {k} kernels {v:.1f}" for k, v in roof.get("decode_tokens_per_s_by_kernels", {}).items())
-                  + (f" (graphs without compile {roof['uncompiled_graph_decode_tokens_per_s']:.1f}, eager "
-                     f"{roof['eager_decode_tokens_per_s']:.1f})" if "eager_decode_tokens_per_s" in roof else ""),
-                  "verify tree: " + "  ".join(f"{k}:{roof['verify_ms'][k]:.3f}ms ({v:.2f}x)"
-                                              for k, v in roof["verify_cost_vs_1"].items())]
+        lines += [
+            f"bandwidth: copy {bw['copy_gbps']:.0f} GB/s (read+write), read {bw['read_gbps']:.0f} GB/s",
+            f"{roof['shape']} {roof['dtype']}: {roof['weight_bytes_per_step'] / GB:.2f} GB/step, floor "
+            f"{roof['floor_step_ms']:.3f} ms = {roof['floor_tokens_per_s']:.1f} tok/s",
+            f"plain decode {roof['decode_tokens_per_s']:.1f} tok/s = {roof['decode_fraction_of_floor']:.1%} of floor"
+            + (
+                " (runs {:.1f}-{:.1f})".format(
+                    min(roof["decode_tokens_per_s_runs"]), max(roof["decode_tokens_per_s_runs"])
+                )
+                if "decode_tokens_per_s_runs" in roof
+                else ""
+            )
+            + "".join(f", {k} kernels {v:.1f}" for k, v in roof.get("decode_tokens_per_s_by_kernels", {}).items())
+            + (
+                f" (graphs without compile {roof['uncompiled_graph_decode_tokens_per_s']:.1f}, eager "
+                f"{roof['eager_decode_tokens_per_s']:.1f})"
+                if "eager_decode_tokens_per_s" in roof
+                else ""
+            ),
+            "verify tree: "
+            + "  ".join(f"{k}:{roof['verify_ms'][k]:.3f}ms ({v:.2f}x)" for k, v in roof["verify_cost_vs_1"].items()),
+        ]
         if "profile" in roof:
             lines.append("plain decode " + profile_line(roof["profile"]))
     smol = results.get("smollm2")
@@ -687,8 +836,10 @@ def format_table(results: dict[str, Any]) -> str:
                 lines.append(f"{r['method']:<20} failed: {r['error'][:120]}")
                 continue
             acc = f"{r['acceptance_length']:.3f}" if r.get("acceptance_length") else "-"
-            lines.append(f"{r['method']:<20}{r['prompts']:>8}{r['tokens_per_s']:>10.1f}{r['speedup_vs_plain']:>9.2f}"
-                         f"{acc:>9}{r['exact_match_rate']:>7.2f}")
+            lines.append(
+                f"{r['method']:<20}{r['prompts']:>8}{r['tokens_per_s']:>10.1f}{r['speedup_vs_plain']:>9.2f}"
+                f"{acc:>9}{r['exact_match_rate']:>7.2f}"
+            )
             if "profile" in r:
                 lines.append(f"{'':<20}" + profile_line(r["profile"]))
     for name, r in results.get("coldstart", {}).items():

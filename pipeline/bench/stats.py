@@ -133,9 +133,13 @@ def summarize(timings: Sequence[RequestTiming]) -> RunSummary:
     itls = [x for t in timings for x in inter_token_latencies(t)]
     tokens = sum(t.output_tokens for t in timings)
     return RunSummary(
-        requests=len(timings), output_tokens=tokens, wall_s=wall,
-        ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
-        itl_p50_s=percentile(itls, 50), itl_p99_s=percentile(itls, 99),
+        requests=len(timings),
+        output_tokens=tokens,
+        wall_s=wall,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+        itl_p50_s=percentile(itls, 50),
+        itl_p99_s=percentile(itls, 99),
         output_tokens_per_s=tokens / wall if wall > 0 else math.nan,
         requests_per_s=len(timings) / wall if wall > 0 else math.nan,
     )

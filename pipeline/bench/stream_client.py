@@ -38,8 +38,15 @@ class StreamResult:
 
 def completion_request(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     """Greedy, fixed length as far as the model allows, the same body for every system."""
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "seed": 0,
-            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "seed": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
 
 
 def stream_completion(base_url: str, body: dict[str, Any], session: requests.Session | None = None) -> StreamResult:
@@ -56,7 +63,7 @@ def stream_completion(base_url: str, body: dict[str, Any], session: requests.Ses
             now = time.perf_counter()
             if not line or not line.startswith(SSE_PREFIX):
                 continue
-            data = line[len(SSE_PREFIX):]
+            data = line[len(SSE_PREFIX) :]
             if data == SSE_DONE:
                 break
             chunk = json.loads(data)

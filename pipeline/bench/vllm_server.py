@@ -100,9 +100,25 @@ class VllmServer:
 
     def command(self) -> list[str]:
         o = self.options
-        cmd = [str(self.python), "-m", SERVER_MODULE, "--model", str(self.model_dir), "--served-model-name",
-               self.served_name, "--host", HOST, "--port", str(o.port), "--dtype", o.dtype,
-               "--max-model-len", str(o.max_model_len), "--seed", "0"]
+        cmd = [
+            str(self.python),
+            "-m",
+            SERVER_MODULE,
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            self.served_name,
+            "--host",
+            HOST,
+            "--port",
+            str(o.port),
+            "--dtype",
+            o.dtype,
+            "--max-model-len",
+            str(o.max_model_len),
+            "--seed",
+            "0",
+        ]
         if o.enforce_eager:
             cmd.append("--enforce-eager")
         if self.mode.speculative_config:
@@ -116,8 +132,17 @@ class VllmServer:
         iomp = self.python.parent.parent / "lib" / IOMP_LIB
         if self.options.preload_iomp and iomp.is_file():
             env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp.resolve()), env.get("LD_PRELOAD")]))
-        self.proc = process.start(self.command(), self.log_path, self.base_url, self.options.startup_timeout_s,
-                                  self._exited, self._timed_out, STOP_SIGNAL, STOP_GRACE_S, env)
+        self.proc = process.start(
+            self.command(),
+            self.log_path,
+            self.base_url,
+            self.options.startup_timeout_s,
+            self._exited,
+            self._timed_out,
+            STOP_SIGNAL,
+            STOP_GRACE_S,
+            env,
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -127,8 +152,10 @@ class VllmServer:
         return VllmStartError(self.mode.name, last_error_line(self.log_path), self.log_path)
 
     def _timed_out(self) -> Exception:
-        return UserError(f"vLLM ({self.mode.name}) not ready after {self.options.startup_timeout_s:.0f} s; see "
-                         f"{self.log_path}, or pass --vllm-eager / a longer --vllm-timeout")
+        return UserError(
+            f"vLLM ({self.mode.name}) not ready after {self.options.startup_timeout_s:.0f} s; see "
+            f"{self.log_path}, or pass --vllm-eager / a longer --vllm-timeout"
+        )
 
     def stop(self) -> None:
         process.stop(self.proc, STOP_SIGNAL, STOP_GRACE_S)
@@ -147,9 +174,11 @@ class VllmStartError(Exception):
         self.mode, self.line, self.log = mode, line, log
 
 
-SPEC_COUNTERS = {"vllm:spec_decode_num_drafts_total": "drafts",
-                 "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens_total": "accepted_tokens"}
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts_total": "drafts",
+    "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "accepted_tokens",
+}
 
 
 def parse_spec_counters(metrics_text: str) -> dict[str, float]:

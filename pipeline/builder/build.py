@@ -19,8 +19,15 @@ from typing import Any
 
 from pipeline.convert.checkpoint import read_config
 from pipeline.convert.eagle3 import EAGLE3_ARCHITECTURE
-from pipeline.engine.config import (DRAFT_DIR, SPECPIPE_FILE, TOKENIZER_DIR, TRTLLM_SPEC_MODE_FLAGS, DynamicTreeConfig,
-                                    NgramConfig, SpecConfig)
+from pipeline.engine.config import (
+    DRAFT_DIR,
+    SPECPIPE_FILE,
+    TOKENIZER_DIR,
+    TRTLLM_SPEC_MODE_FLAGS,
+    DynamicTreeConfig,
+    NgramConfig,
+    SpecConfig,
+)
 from pipeline.engine.tree import Choices, chain, parse_choices, validate_choices
 from pipeline.errors import UserError, atomic_output_dir
 
@@ -39,8 +46,14 @@ TOKENS_PER_BLOCK = 32
 
 # Our speculative modes → TensorRT-LLM engine modes. EAGLE-3 has no TensorRT-engine mode in 1.2 (PyTorch
 # backend only); the portable build records it as externally drafted tokens, the trtllm build refuses it.
-TRTLLM_MODE_OF = {"none": "none", "medusa": "medusa", "eagle": "eagle", "draft_model": "draft_tokens_external",
-                  "ngram": "draft_tokens_external", "eagle3": "draft_tokens_external"}
+TRTLLM_MODE_OF = {
+    "none": "none",
+    "medusa": "medusa",
+    "eagle": "eagle",
+    "draft_model": "draft_tokens_external",
+    "ngram": "draft_tokens_external",
+    "eagle3": "draft_tokens_external",
+}
 
 
 @dataclass(frozen=True)
@@ -64,9 +77,13 @@ class BuildOptions:
         if self.max_batch_size < 1 or self.max_input_len < 1:
             raise UserError("--max-batch-size and --max-input-len must be >= 1")
         if self.max_input_len > self.max_seq_len:
-            raise UserError(f"--max-input-len {self.max_input_len} exceeds --max-seq-len {self.max_seq_len}; raise --max-seq-len")
+            raise UserError(
+                f"--max-input-len {self.max_input_len} exceeds --max-seq-len {self.max_seq_len}; raise --max-seq-len"
+            )
         if self.speculative not in (None, "ngram"):
-            raise UserError(f"--speculative {self.speculative!r}: only 'ngram' needs no draft weights; other modes come from the checkpoint")
+            raise UserError(
+                f"--speculative {self.speculative!r}: only 'ngram' needs no draft weights; other modes come from the checkpoint"
+            )
         if self.max_draft_len is not None and self.max_draft_len < 1:
             raise UserError(f"--max-draft-len {self.max_draft_len}: must be >= 1")
 
@@ -104,17 +121,21 @@ def _tree_choices(opts: BuildOptions, depth: int | None, draft_len: int, max_non
     if max_non_leaves is not None:
         for d, n in sorted(non_leaves_per_depth(choices).items()):
             if n > max_non_leaves:
-                raise UserError(f"{what}: {n} non-leaf nodes at depth {d} exceed max_non_leaves_per_layer {max_non_leaves}")
+                raise UserError(
+                    f"{what}: {n} non-leaf nodes at depth {d} exceed max_non_leaves_per_layer {max_non_leaves}"
+                )
     return choices
 
 
-def _dynamic_tree(opts: BuildOptions, depth_limit: int | None, max_non_leaves: int,
-                  limit_name: str = "num_eagle_layers") -> DynamicTreeConfig:
+def _dynamic_tree(
+    opts: BuildOptions, depth_limit: int | None, max_non_leaves: int, limit_name: str = "num_eagle_layers"
+) -> DynamicTreeConfig:
     depth = opts.dynamic_depth or depth_limit or DynamicTreeConfig.depth
     if depth_limit is not None and depth > depth_limit:
         raise UserError(f"--dynamic-depth {depth}: exceeds {limit_name} {depth_limit} of the checkpoint")
-    tree = DynamicTreeConfig(top_k=opts.dynamic_top_k or DynamicTreeConfig.top_k, depth=depth,
-                             max_non_leaves_per_layer=max_non_leaves)
+    tree = DynamicTreeConfig(
+        top_k=opts.dynamic_top_k or DynamicTreeConfig.top_k, depth=depth, max_non_leaves_per_layer=max_non_leaves
+    )
     if min(tree.top_k, tree.depth, tree.max_non_leaves_per_layer) < 1:
         raise UserError("--dynamic-top-k, --dynamic-depth and --max-non-leaves-per-layer must be >= 1")
     return tree
@@ -148,7 +169,13 @@ def spec_from_checkpoint(config: dict[str, Any], ckpt_dir: Path, opts: BuildOpti
             width = opts.max_non_leaves_per_layer or DynamicTreeConfig.max_non_leaves_per_layer
             tree = _dynamic_tree(opts, heads, width, "num_medusa_heads")
             return SpecConfig("medusa", draft_len, dynamic_tree=tree, num_medusa_heads=heads, acceptance=acceptance)
-        return SpecConfig("medusa", draft_len, _tree_choices(opts, heads, draft_len, None), num_medusa_heads=heads, acceptance=acceptance)
+        return SpecConfig(
+            "medusa",
+            draft_len,
+            _tree_choices(opts, heads, draft_len, None),
+            num_medusa_heads=heads,
+            acceptance=acceptance,
+        )
     if kind in ("eagle", "eagle3"):
         draft_len = opts.max_draft_len or config.get("max_draft_len") or DEFAULT_TREE_DRAFT_LEN
         depth = config.get("num_eagle_layers") if kind == "eagle" else None
@@ -163,7 +190,9 @@ def spec_from_checkpoint(config: dict[str, Any], ckpt_dir: Path, opts: BuildOpti
     if opts.speculative == "ngram":
         ngram = NgramConfig(k=opts.ngram_k, min_n=opts.ngram_min_n, max_n=opts.ngram_max_n)
         if ngram.k < 1 or not 1 <= ngram.min_n <= ngram.max_n:
-            raise UserError(f"--ngram-k {ngram.k} / --ngram-min-n {ngram.min_n} / --ngram-max-n {ngram.max_n}: need k >= 1 and 1 <= min_n <= max_n")
+            raise UserError(
+                f"--ngram-k {ngram.k} / --ngram-min-n {ngram.min_n} / --ngram-max-n {ngram.max_n}: need k >= 1 and 1 <= min_n <= max_n"
+            )
         return SpecConfig("ngram", ngram.k, chain(ngram.k), ngram=ngram, acceptance=acceptance)
     return SpecConfig("none", acceptance=acceptance)
 
@@ -172,8 +201,7 @@ def tree_summary(spec: SpecConfig, opts: BuildOptions) -> str | None:
     """One line naming the draft tree an engine verifies, its depth and node count; None without one."""
     if spec.dynamic_tree is not None:
         tree = spec.dynamic_tree
-        return (f"tree: dynamic (EAGLE-2), top-k {tree.top_k}, depth {tree.depth}, "
-                f"up to {spec.max_draft_len} nodes")
+        return f"tree: dynamic (EAGLE-2), top-k {tree.top_k}, depth {tree.depth}, up to {spec.max_draft_len} nodes"
     if not spec.choices:
         return None
     depth, nodes = max(len(p) for p in spec.choices), len(spec.choices)
@@ -191,13 +219,31 @@ def tree_summary(spec: SpecConfig, opts: BuildOptions) -> str | None:
 
 def plugin_config(dtype: str) -> dict[str, Any]:
     """trtllm-build's plugin defaults with `--gemm_plugin auto`, 'auto' resolved to the model dtype."""
-    return {"dtype": dtype, "bert_attention_plugin": "auto", "gpt_attention_plugin": dtype, "gemm_plugin": dtype,
-            "nccl_plugin": dtype, "moe_plugin": dtype, "mamba_conv1d_plugin": dtype, "lora_plugin": None,
-            "context_fmha": True, "remove_input_padding": True, "paged_kv_cache": True,
-            "use_paged_context_fmha": True, "use_fp8_context_fmha": True, "paged_state": True,
-            "tokens_per_block": TOKENS_PER_BLOCK, "use_fused_mlp": True, "multiple_profiles": False,
-            "streamingllm": False, "reduce_fusion": False, "user_buffer": False, "norm_quant_fusion": False,
-            "fuse_fp4_quant": False, "pp_reduce_scatter": False}
+    return {
+        "dtype": dtype,
+        "bert_attention_plugin": "auto",
+        "gpt_attention_plugin": dtype,
+        "gemm_plugin": dtype,
+        "nccl_plugin": dtype,
+        "moe_plugin": dtype,
+        "mamba_conv1d_plugin": dtype,
+        "lora_plugin": None,
+        "context_fmha": True,
+        "remove_input_padding": True,
+        "paged_kv_cache": True,
+        "use_paged_context_fmha": True,
+        "use_fp8_context_fmha": True,
+        "paged_state": True,
+        "tokens_per_block": TOKENS_PER_BLOCK,
+        "use_fused_mlp": True,
+        "multiple_profiles": False,
+        "streamingllm": False,
+        "reduce_fusion": False,
+        "user_buffer": False,
+        "norm_quant_fusion": False,
+        "fuse_fp4_quant": False,
+        "pp_reduce_scatter": False,
+    }
 
 
 def build_config(opts: BuildOptions, spec: SpecConfig, pretrained: dict[str, Any]) -> dict[str, Any]:
@@ -207,35 +253,70 @@ def build_config(opts: BuildOptions, spec: SpecConfig, pretrained: dict[str, Any
     if spec.mode == "eagle":
         max_seq_len += pretrained.get("num_eagle_layers", DEFAULT_NUM_EAGLE_LAYERS)
         if opts.max_batch_size > EAGLE_MAX_BATCH_SIZE or spec.max_draft_len > EAGLE_MAX_DRAFT_LEN:
-            raise UserError(f"EAGLE engines need --max-batch-size <= {EAGLE_MAX_BATCH_SIZE} and max_draft_len <= {EAGLE_MAX_DRAFT_LEN}")
+            raise UserError(
+                f"EAGLE engines need --max-batch-size <= {EAGLE_MAX_BATCH_SIZE} and max_draft_len <= {EAGLE_MAX_DRAFT_LEN}"
+            )
     return {
-        "max_input_len": opts.max_input_len, "max_seq_len": max_seq_len, "opt_batch_size": DEFAULT_OPT_BATCH_SIZE,
-        "max_batch_size": opts.max_batch_size, "max_beam_width": 1,
+        "max_input_len": opts.max_input_len,
+        "max_seq_len": max_seq_len,
+        "opt_batch_size": DEFAULT_OPT_BATCH_SIZE,
+        "max_batch_size": opts.max_batch_size,
+        "max_beam_width": 1,
         "max_num_tokens": max(DEFAULT_MAX_NUM_TOKENS, opts.max_batch_size * (spec.max_draft_len + 1)),
-        "opt_num_tokens": None, "max_prompt_embedding_table_size": 0, "kv_cache_type": "PAGED",
-        "gather_context_logits": False, "gather_generation_logits": False, "strongly_typed": True,
-        "force_num_profiles": None, "profiling_verbosity": "layer_names_only", "enable_debug_output": False,
-        "max_draft_len": spec.max_draft_len, "speculative_decoding_mode": TRTLLM_SPEC_MODE_FLAGS[trt_mode],
-        "use_refit": False, "input_timing_cache": None, "output_timing_cache": "model.cache",
+        "opt_num_tokens": None,
+        "max_prompt_embedding_table_size": 0,
+        "kv_cache_type": "PAGED",
+        "gather_context_logits": False,
+        "gather_generation_logits": False,
+        "strongly_typed": True,
+        "force_num_profiles": None,
+        "profiling_verbosity": "layer_names_only",
+        "enable_debug_output": False,
+        "max_draft_len": spec.max_draft_len,
+        "speculative_decoding_mode": TRTLLM_SPEC_MODE_FLAGS[trt_mode],
+        "use_refit": False,
+        "input_timing_cache": None,
+        "output_timing_cache": "model.cache",
         "lora_config": {"lora_dir": [], "lora_ckpt_source": "hf", "max_lora_rank": 64, "lora_target_modules": []},
-        "weight_sparsity": False, "weight_streaming": False, "plugin_config": plugin_config(pretrained["dtype"]),
-        "use_strip_plan": False, "max_encoder_input_len": 1024, "monitor_memory": False, "use_mrope": False,
+        "weight_sparsity": False,
+        "weight_streaming": False,
+        "plugin_config": plugin_config(pretrained["dtype"]),
+        "use_strip_plan": False,
+        "max_encoder_input_len": 1024,
+        "monitor_memory": False,
+        "use_mrope": False,
     }
 
 
 def trtllm_commands(ckpt_dir: Path, out_dir: Path, opts: BuildOptions, spec: SpecConfig) -> list[list[str]]:
     """The trtllm-build command lines: the target, plus a plain draft engine for draft-model speculation."""
     if spec.mode == "medusa" and spec.dynamic_tree:
-        raise UserError("--dynamic-tree with Medusa runs in the portable engine only: TensorRT-LLM 1.2's Medusa "
-                        "decodes a static tree (medusa_choices); drop --dynamic-tree or use --backend portable")
+        raise UserError(
+            "--dynamic-tree with Medusa runs in the portable engine only: TensorRT-LLM 1.2's Medusa "
+            "decodes a static tree (medusa_choices); drop --dynamic-tree or use --backend portable"
+        )
     if spec.mode == "eagle3":
-        raise UserError("EAGLE-3 has no TensorRT engine in TensorRT-LLM 1.2: serve it with the PyTorch backend's "
-                        f"Eagle3DecodingConfig(speculative_model='{ckpt_dir / DRAFT_DIR}') or use --backend portable")
+        raise UserError(
+            "EAGLE-3 has no TensorRT engine in TensorRT-LLM 1.2: serve it with the PyTorch backend's "
+            f"Eagle3DecodingConfig(speculative_model='{ckpt_dir / DRAFT_DIR}') or use --backend portable"
+        )
 
     def command(src: Path, dst: Path, max_seq_len: int) -> list[str]:
-        return [TRTLLM_BUILD, "--checkpoint_dir", str(src), "--output_dir", str(dst),
-                "--max_batch_size", str(opts.max_batch_size), "--max_input_len", str(opts.max_input_len),
-                "--max_seq_len", str(max_seq_len), "--gemm_plugin", "auto"]
+        return [
+            TRTLLM_BUILD,
+            "--checkpoint_dir",
+            str(src),
+            "--output_dir",
+            str(dst),
+            "--max_batch_size",
+            str(opts.max_batch_size),
+            "--max_input_len",
+            str(opts.max_input_len),
+            "--max_seq_len",
+            str(max_seq_len),
+            "--gemm_plugin",
+            "auto",
+        ]
 
     target = command(ckpt_dir, out_dir, opts.max_seq_len)
     if spec.mode != "none":
@@ -268,8 +349,14 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
 def write_portable(ckpt_dir: Path, out: Path, opts: BuildOptions, spec: SpecConfig, pretrained: dict[str, Any]) -> None:
     """Fill `out` with a portable engine; a draft-model draft/ becomes a plain portable engine itself."""
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "config.json", {"version": ENGINE_FORMAT_VERSION, "pretrained_config": pretrained,
-                                      "build_config": build_config(opts, spec, pretrained)})
+    _write_json(
+        out / "config.json",
+        {
+            "version": ENGINE_FORMAT_VERSION,
+            "pretrained_config": pretrained,
+            "build_config": build_config(opts, spec, pretrained),
+        },
+    )
     world = pretrained["mapping"]["tp_size"] * pretrained["mapping"]["pp_size"]
     for rank in range(world):
         src = ckpt_dir / f"rank{rank}.safetensors"
@@ -298,8 +385,13 @@ def run_trtllm(ckpt_dir: Path, out: Path, opts: BuildOptions, spec: SpecConfig) 
     _write_json(out / SPECPIPE_FILE, {"backend": "trtllm", "speculative": spec.to_dict()})
 
 
-def build_engine(checkpoint: str | Path, output: str | Path, backend: str = "portable",
-                 opts: BuildOptions = BuildOptions(), dry_run: bool = False) -> Path:
+def build_engine(
+    checkpoint: str | Path,
+    output: str | Path,
+    backend: str = "portable",
+    opts: BuildOptions = BuildOptions(),
+    dry_run: bool = False,
+) -> Path:
     """Build one engine directory from a checkpoint; with dry_run only print what would be done."""
     if backend not in BACKENDS:
         raise UserError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -313,14 +405,24 @@ def build_engine(checkpoint: str | Path, output: str | Path, backend: str = "por
                 print(shlex.join(cmd))
             return out
         if shutil.which(TRTLLM_BUILD) is None:
-            raise UserError(f"{TRTLLM_BUILD} not found on PATH: TensorRT-LLM is not installed; run inside the NGC "
-                            "TensorRT-LLM container or use --backend portable")
+            raise UserError(
+                f"{TRTLLM_BUILD} not found on PATH: TensorRT-LLM is not installed; run inside the NGC "
+                "TensorRT-LLM container or use --backend portable"
+            )
         with atomic_output_dir(out) as tmp:
             run_trtllm(ckpt_dir, tmp, opts, spec)
         return out
     if dry_run:
-        print(json.dumps({"output": str(out), "build_config": build_config(opts, spec, pretrained),
-                          "speculative": spec.to_dict()}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "output": str(out),
+                    "build_config": build_config(opts, spec, pretrained),
+                    "speculative": spec.to_dict(),
+                },
+                indent=2,
+            )
+        )
         return out
     with atomic_output_dir(out) as tmp:
         write_portable(ckpt_dir, tmp, opts, spec, pretrained)

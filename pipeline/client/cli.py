@@ -31,8 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     verify = sub.add_parser("verify", help="compare the server's greedy tokens with Hugging Face generate")
     verify.add_argument("--url", default=DEFAULT_GRPC_URL, help="the server's gRPC host:port")
-    verify.add_argument("--repo", type=Path, help="start tritonserver on this model repository for the run "
-                                                  "(free local ports) instead of using --url")
+    verify.add_argument(
+        "--repo",
+        type=Path,
+        help="start tritonserver on this model repository for the run (free local ports) instead of using --url",
+    )
     verify.add_argument("--prompts", type=Path, help="JSONL with `prompt` or `turns` (default: MT-bench first turns)")
     verify.add_argument("--target", required=True, help="the engine's target: smollm2, a model folder or a .gguf file")
     verify.add_argument("--max-tokens", type=int, default=64)
@@ -43,8 +46,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_client(args: argparse.Namespace) -> int:
     try:
-        reply = generate(args.url, args.prompt, Sampling(max_tokens=args.max_tokens, temperature=args.temperature),
-                         stream=args.stream, protocol=args.protocol, model=args.model)
+        reply = generate(
+            args.url,
+            args.prompt,
+            Sampling(max_tokens=args.max_tokens, temperature=args.temperature),
+            stream=args.stream,
+            protocol=args.protocol,
+            model=args.model,
+        )
     except TritonRequestError as exc:
         raise UserError(f"{args.model} at {args.url}: {exc}") from None
     except ConnectionError as exc:
@@ -55,10 +64,13 @@ def run_client(args: argparse.Namespace) -> int:
     print(reply.text)
     itl = reply.inter_token_latencies_s
     mean_itl = f"{1000 * sum(itl) / len(itl):.1f} ms" if itl else "n/a"
-    print(f"--- {reply.num_input_tokens} prompt + {reply.num_output_tokens} generated tokens, "
-          f"TTFT {1000 * reply.ttft_s:.1f} ms, mean inter-chunk {mean_itl}, total {reply.total_s:.2f} s, "
-          f"acceptance rate {reply.acceptance_rate:.3f} ({reply.total_accepted_draft_tokens}/"
-          f"{reply.total_draft_tokens}), acceptance length {reply.acceptance_length:.2f}", file=sys.stderr)
+    print(
+        f"--- {reply.num_input_tokens} prompt + {reply.num_output_tokens} generated tokens, "
+        f"TTFT {1000 * reply.ttft_s:.1f} ms, mean inter-chunk {mean_itl}, total {reply.total_s:.2f} s, "
+        f"acceptance rate {reply.acceptance_rate:.3f} ({reply.total_accepted_draft_tokens}/"
+        f"{reply.total_draft_tokens}), acceptance length {reply.acceptance_length:.2f}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -80,7 +92,15 @@ def run_verify(args: argparse.Namespace) -> int:
         except TritonRequestError as exc:
             raise UserError(f"tensorrt_llm at {url}: {exc}") from None
     print(format_table(results))
-    write_report(results, args.report, {"url": url, "repo": None if args.repo is None else str(args.repo),
-                                        "target": str(args.target), "max_tokens": args.max_tokens})
+    write_report(
+        results,
+        args.report,
+        {
+            "url": url,
+            "repo": None if args.repo is None else str(args.repo),
+            "target": str(args.target),
+            "max_tokens": args.max_tokens,
+        },
+    )
     print(f"report: {args.report}", file=sys.stderr)
     return 1 if any(not r.match for r in results) else 0

@@ -21,8 +21,14 @@ from tritonclient.utils import InferenceServerException
 ENSEMBLE, BLS, ENGINE_MODEL = "ensemble", "tensorrt_llm_bls", "tensorrt_llm"
 TEXT_MODELS = (ENSEMBLE, BLS)
 REQUEST_TIMEOUT_S = 600.0
-NUMPY_TO_TRITON = {np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32", np.dtype(np.uint64): "UINT64",
-                   np.dtype(np.bool_): "BOOL", np.dtype(np.int64): "INT64", np.dtype(np.object_): "BYTES"}
+NUMPY_TO_TRITON = {
+    np.dtype(np.int32): "INT32",
+    np.dtype(np.float32): "FP32",
+    np.dtype(np.uint64): "UINT64",
+    np.dtype(np.bool_): "BOOL",
+    np.dtype(np.int64): "INT64",
+    np.dtype(np.object_): "BYTES",
+}
 PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
 COUNT_OUTPUTS = ("num_input_tokens", "num_output_tokens")
 
@@ -69,13 +75,15 @@ class Sampling:
 def text_inputs(prompt: str | bytes, sampling: Sampling, stream: bool) -> dict[str, np.ndarray]:
     """Inputs of the ensemble / BLS model for one prompt, batch dimension first."""
     text = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
-    inputs = {"text_input": np.array([[text]], dtype=np.object_),
-              "max_tokens": np.array([[sampling.max_tokens]], dtype=np.int32),
-              "stream": np.array([[stream]], dtype=np.bool_),
-              "exclude_input_in_output": np.array([[True]], dtype=np.bool_),
-              "return_perf_metrics": np.array([[True]], dtype=np.bool_),
-              "return_num_input_tokens": np.array([[True]], dtype=np.bool_),
-              "return_num_output_tokens": np.array([[True]], dtype=np.bool_)}
+    inputs = {
+        "text_input": np.array([[text]], dtype=np.object_),
+        "max_tokens": np.array([[sampling.max_tokens]], dtype=np.int32),
+        "stream": np.array([[stream]], dtype=np.bool_),
+        "exclude_input_in_output": np.array([[True]], dtype=np.bool_),
+        "return_perf_metrics": np.array([[True]], dtype=np.bool_),
+        "return_num_input_tokens": np.array([[True]], dtype=np.bool_),
+        "return_num_output_tokens": np.array([[True]], dtype=np.bool_),
+    }
     if sampling.stop_words:
         inputs["stop_words"] = np.array([[w.encode("utf-8") for w in sampling.stop_words]], dtype=np.object_)
     _add_sampling(inputs, sampling, {"top_k": "top_k", "top_p": "top_p"})
@@ -84,22 +92,28 @@ def text_inputs(prompt: str | bytes, sampling: Sampling, stream: bool) -> dict[s
 
 def engine_inputs(input_ids: list[int], sampling: Sampling, stream: bool) -> dict[str, np.ndarray]:
     """Inputs of the engine model (tensorrt_llm) for one tokenized prompt: exact token ids come back."""
-    inputs = {"input_ids": np.array([input_ids], dtype=np.int32),
-              "input_lengths": np.array([[len(input_ids)]], dtype=np.int32),
-              "request_output_len": np.array([[sampling.max_tokens]], dtype=np.int32),
-              "streaming": np.array([[stream]], dtype=np.bool_),
-              "exclude_input_in_output": np.array([[True]], dtype=np.bool_),
-              "return_perf_metrics": np.array([[True]], dtype=np.bool_),
-              "return_num_input_tokens": np.array([[True]], dtype=np.bool_),
-              "return_num_output_tokens": np.array([[True]], dtype=np.bool_)}
+    inputs = {
+        "input_ids": np.array([input_ids], dtype=np.int32),
+        "input_lengths": np.array([[len(input_ids)]], dtype=np.int32),
+        "request_output_len": np.array([[sampling.max_tokens]], dtype=np.int32),
+        "streaming": np.array([[stream]], dtype=np.bool_),
+        "exclude_input_in_output": np.array([[True]], dtype=np.bool_),
+        "return_perf_metrics": np.array([[True]], dtype=np.bool_),
+        "return_num_input_tokens": np.array([[True]], dtype=np.bool_),
+        "return_num_output_tokens": np.array([[True]], dtype=np.bool_),
+    }
     _add_sampling(inputs, sampling, {"top_k": "runtime_top_k", "top_p": "runtime_top_p"})
     return inputs
 
 
 def _add_sampling(inputs: dict[str, np.ndarray], s: Sampling, names: dict[str, str]) -> None:
-    for name, value, dtype in (("temperature", s.temperature, np.float32), (names["top_k"], s.top_k, np.int32),
-                               (names["top_p"], s.top_p, np.float32), ("seed", s.seed, np.uint64),
-                               ("end_id", s.end_id, np.int32)):
+    for name, value, dtype in (
+        ("temperature", s.temperature, np.float32),
+        (names["top_k"], s.top_k, np.int32),
+        (names["top_p"], s.top_p, np.float32),
+        ("seed", s.seed, np.uint64),
+        ("end_id", s.end_id, np.int32),
+    ):
         if value is not None:
             inputs[name] = np.array([[value]], dtype=dtype)
 
@@ -165,8 +179,9 @@ def infer_grpc(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s: f
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         acc = _Accumulator()
-        client.async_stream_infer(model, [_grpc_input(k, v) for k, v in inputs.items()],
-                                  enable_empty_final_response=True)
+        client.async_stream_infer(
+            model, [_grpc_input(k, v) for k, v in inputs.items()], enable_empty_final_response=True
+        )
         while True:
             try:
                 result, error = responses.get(timeout=timeout_s)
@@ -194,26 +209,34 @@ def _json_inputs(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
 def _sse_events(reply: requests.Response) -> Iterable[dict[str, Any]]:
     for line in reply.iter_lines(decode_unicode=True):
         if line and line.startswith("data:"):
-            yield json.loads(line[len("data:"):])
+            yield json.loads(line[len("data:") :])
 
 
-def infer_http(url: str, model: str, inputs: dict[str, np.ndarray], stream: bool,
-               timeout_s: float = REQUEST_TIMEOUT_S) -> Reply:
+def infer_http(
+    url: str, model: str, inputs: dict[str, np.ndarray], stream: bool, timeout_s: float = REQUEST_TIMEOUT_S
+) -> Reply:
     """One request through Triton's generate extension (`generate`, or `generate_stream` as SSE)."""
     endpoint = f"http://{url}/v2/models/{model}/{'generate_stream' if stream else 'generate'}"
     acc = _Accumulator()
     with requests.post(endpoint, json=_json_inputs(inputs), stream=stream, timeout=timeout_s) as reply:
         if reply.status_code != 200:
             raise TritonRequestError(reply.json().get("error", reply.text) if reply.content else reply.reason)
-        for event in (_sse_events(reply) if stream else [reply.json()]):
+        for event in _sse_events(reply) if stream else [reply.json()]:
             if "error" in event:
                 raise TritonRequestError(event["error"])
             acc.add(event)
     return acc.finish()
 
 
-def generate(url: str, prompt: str | bytes, sampling: Sampling = Sampling(), *, stream: bool = False,
-             protocol: str = "grpc", model: str = ENSEMBLE) -> Reply:
+def generate(
+    url: str,
+    prompt: str | bytes,
+    sampling: Sampling = Sampling(),
+    *,
+    stream: bool = False,
+    protocol: str = "grpc",
+    model: str = ENSEMBLE,
+) -> Reply:
     """Text in, text out through the ensemble or the BLS model."""
     inputs = text_inputs(prompt, sampling, stream)
     if protocol == "grpc":

@@ -37,15 +37,25 @@ class PromptResult:
     acceptance_rate: float
 
 
-def reference_generate(model: Any, prompt_ids: list[int], max_tokens: int, end_id: int | None
-                       ) -> tuple[list[int], torch.Tensor]:
+def reference_generate(
+    model: Any, prompt_ids: list[int], max_tokens: int, end_id: int | None
+) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and their logits [n, vocab] from Hugging Face generate."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             max_new_tokens=max_tokens, do_sample=False, eos_token_id=end_id, pad_token_id=end_id,
-                             output_logits=True, return_dict_in_generate=True, top_k=None, top_p=None,
-                             temperature=None)
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=end_id,
+            pad_token_id=end_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+        )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
     return tokens, torch.cat(out.logits, dim=0).float()
 
 
@@ -72,9 +82,19 @@ def verify_prompt(url: str, model: Any, tokenizer: Any, prompt: str, max_tokens:
     def token_text(tokens: list[int]) -> str | None:
         return None if at is None or at >= len(tokens) else tokenizer.decode([tokens[at]])
 
-    return PromptResult(prompt, len(prompt_ids), reply.output_ids, reference, at is None, at,
-                        token_text(reply.output_ids), token_text(reference),
-                        None if at is None else top2_margin(logits, at), reply.acceptance_length, reply.acceptance_rate)
+    return PromptResult(
+        prompt,
+        len(prompt_ids),
+        reply.output_ids,
+        reference,
+        at is None,
+        at,
+        token_text(reply.output_ids),
+        token_text(reference),
+        None if at is None else top2_margin(logits, at),
+        reply.acceptance_length,
+        reply.acceptance_rate,
+    )
 
 
 def verify(url: str, target: Any, prompts: list[str], max_tokens: int) -> list[PromptResult]:
@@ -83,8 +103,9 @@ def verify(url: str, target: Any, prompts: list[str], max_tokens: int) -> list[P
 
     source = load_target(target) if isinstance(target, (str, Path)) else target
     model = load_hf_model(source, dtype=torch.float32)
-    return [verify_prompt(url, model, source.tokenizer, p, max_tokens)
-            for p in tqdm(prompts, desc="verify", unit="prompt")]
+    return [
+        verify_prompt(url, model, source.tokenizer, p, max_tokens) for p in tqdm(prompts, desc="verify", unit="prompt")
+    ]
 
 
 def format_table(results: list[PromptResult]) -> str:
@@ -97,8 +118,10 @@ def format_table(results: list[PromptResult]) -> str:
         else:
             margin = "n/a" if r.reference_margin is None else f"{r.reference_margin:.3f}"
             where = f"@{r.divergence}: {r.server_token!r} | {r.reference_token!r}, margin {margin}"
-        lines.append(f"{preview:<{PROMPT_PREVIEW_CHARS}}  {'yes' if r.match else 'NO':<5}  {where:<42}  "
-                     f"{r.acceptance_length:.2f}")
+        lines.append(
+            f"{preview:<{PROMPT_PREVIEW_CHARS}}  {'yes' if r.match else 'NO':<5}  {where:<42}  "
+            f"{r.acceptance_length:.2f}"
+        )
     mismatches = sum(not r.match for r in results)
     lines.append(f"{len(results)} prompts, {mismatches} mismatches")
     return "\n".join(lines)
@@ -106,8 +129,12 @@ def format_table(results: list[PromptResult]) -> str:
 
 def write_report(results: list[PromptResult], path: str | Path, meta: dict[str, Any]) -> Path:
     path = Path(path)
-    report = {**meta, "prompts": len(results), "mismatches": sum(not r.match for r in results),
-              "results": [asdict(r) for r in results]}
+    report = {
+        **meta,
+        "prompts": len(results),
+        "mismatches": sum(not r.match for r in results),
+        "results": [asdict(r) for r in results],
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(report, indent=2, sort_keys=True))

@@ -27,13 +27,15 @@ def rank_file(ckpt_dir: Path, rank: int) -> Path:
     return ckpt_dir / f"rank{rank}.safetensors"
 
 
-def write_checkpoint(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                     tokenizer: Any | None = None) -> None:
+def write_checkpoint(
+    out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], tokenizer: Any | None = None
+) -> None:
     """Write config.json, one safetensors file per rank and the tokenizer into an existing folder."""
     out_dir.mkdir(parents=True, exist_ok=True)
     ranks = shard_tensors(tensors, config)
-    for rank, shard in enumerate(tqdm(ranks, desc=f"writing {out_dir.name or 'checkpoint'}", unit="rank",
-                                      disable=len(ranks) == 1)):
+    for rank, shard in enumerate(
+        tqdm(ranks, desc=f"writing {out_dir.name or 'checkpoint'}", unit="rank", disable=len(ranks) == 1)
+    ):
         save_file(_unshared(shard), str(rank_file(out_dir, rank)), metadata={"format": "pt"})
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     if tokenizer is not None:
@@ -101,9 +103,17 @@ def expected_base_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     shapes = {"transformer.vocab_embedding.weight": (v, h), "transformer.ln_f.weight": (h,), "lm_head.weight": (v, h)}
     for i in range(config["num_hidden_layers"]):
         p = f"transformer.layers.{i}."
-        shapes.update({p + "attention.qkv.weight": ((heads + 2 * kv) * d, h), p + "attention.dense.weight": (h, heads * d),
-                       p + "mlp.fc.weight": (inter, h), p + "mlp.gate.weight": (inter, h), p + "mlp.proj.weight": (h, inter),
-                       p + "input_layernorm.weight": (h,), p + "post_layernorm.weight": (h,)})
+        shapes.update(
+            {
+                p + "attention.qkv.weight": ((heads + 2 * kv) * d, h),
+                p + "attention.dense.weight": (h, heads * d),
+                p + "mlp.fc.weight": (inter, h),
+                p + "mlp.gate.weight": (inter, h),
+                p + "mlp.proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_layernorm.weight": (h,),
+            }
+        )
     return shapes
 
 
@@ -112,4 +122,6 @@ def check_shapes(config: dict[str, Any], tensors: dict[str, torch.Tensor], where
         if name not in tensors:
             raise UserError(f"{where}: tensor {name} is missing from the rank files; re-run `specpipe convert`")
         if tuple(tensors[name].shape) != shape:
-            raise UserError(f"{where}: tensor {name} has shape {list(tensors[name].shape)} but config.json implies {list(shape)}")
+            raise UserError(
+                f"{where}: tensor {name} has shape {list(tensors[name].shape)} but config.json implies {list(shape)}"
+            )

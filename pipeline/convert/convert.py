@@ -29,19 +29,29 @@ class DraftInputs:
     def kind(self) -> str:
         given = [k for k in ("medusa", "eagle", "eagle3", "draft_model") if getattr(self, k)]
         if len(given) > 1:
-            raise UserError(f"--{given[0].replace('_', '-')} and --{given[1].replace('_', '-')}: give at most one draft input")
+            raise UserError(
+                f"--{given[0].replace('_', '-')} and --{given[1].replace('_', '-')}: give at most one draft input"
+            )
         return given[0] if given else "none"
 
 
-def convert(target: str | Path | TargetSource, output: str | Path, dtype: str = "float32", tp: int = 1, pp: int = 1,
-            drafts: DraftInputs = DraftInputs()) -> Path:
+def convert(
+    target: str | Path | TargetSource,
+    output: str | Path,
+    dtype: str = "float32",
+    tp: int = 1,
+    pp: int = 1,
+    drafts: DraftInputs = DraftInputs(),
+) -> Path:
     """Write the checkpoint for `target` (and its draft) into `output`; nothing is left on failure."""
     torch_dtype = parse_dtype(dtype)
     kind = drafts.kind()
     if (drafts.draft_vocab is not None or drafts.vocab_tokens is not None) and kind != "eagle3":
         raise UserError("--draft-vocab: only EAGLE-3 drafts have a vocabulary of their own (d2t); give --eagle3")
     if kind == "eagle" and pp != 1:
-        raise UserError(f"--pp-size {pp}: EAGLE checkpoints need pp_size 1 (TensorRT-LLM has no EAGLE pipeline parallelism)")
+        raise UserError(
+            f"--pp-size {pp}: EAGLE checkpoints need pp_size 1 (TensorRT-LLM has no EAGLE pipeline parallelism)"
+        )
     source = target if isinstance(target, TargetSource) else load_target(target)
     check_parallel(source.config, tp, pp)
     config = llama_config(source.config, torch_dtype, tp, pp)
@@ -49,17 +59,30 @@ def convert(target: str | Path | TargetSource, output: str | Path, dtype: str = 
     with atomic_output_dir(output) as tmp:
         if kind == "medusa":
             from pipeline.convert.medusa import add_medusa
-            config, tensors = add_medusa(config, tensors, source, drafts.medusa, torch_dtype,
-                                         drafts.num_medusa_heads, drafts.max_draft_len)
+
+            config, tensors = add_medusa(
+                config, tensors, source, drafts.medusa, torch_dtype, drafts.num_medusa_heads, drafts.max_draft_len
+            )
         elif kind == "eagle":
             from pipeline.convert.eagle import add_eagle
-            config, tensors = add_eagle(config, tensors, source, drafts.eagle, torch_dtype, drafts.num_eagle_layers,
-                                        drafts.max_draft_len, drafts.max_non_leaves_per_layer)
+
+            config, tensors = add_eagle(
+                config,
+                tensors,
+                source,
+                drafts.eagle,
+                torch_dtype,
+                drafts.num_eagle_layers,
+                drafts.max_draft_len,
+                drafts.max_non_leaves_per_layer,
+            )
         elif kind == "eagle3":
             from pipeline.convert.eagle3 import write_eagle3_draft
+
             write_eagle3_draft(tmp, source, drafts.eagle3, torch_dtype, drafts.draft_vocab, drafts.vocab_tokens)
         elif kind == "draft_model":
             from pipeline.convert.draft_model import write_draft_model
+
             write_draft_model(tmp, source, drafts.draft_model, torch_dtype, tp)
         write_checkpoint(tmp, config, tensors, source.tokenizer)
     return Path(output)

@@ -9,8 +9,16 @@ import torch
 
 from pipeline.convert.checkpoint import DRAFT_DIR, write_checkpoint
 from pipeline.convert.llama import check_parallel, llama_config, llama_tensors
-from pipeline.convert.source import (TargetSource, check_architecture, check_weights, load_config, load_target,
-                                     load_tokenizer, read_hf_weights, resolve_spec)
+from pipeline.convert.source import (
+    TargetSource,
+    check_architecture,
+    check_weights,
+    load_config,
+    load_target,
+    load_tokenizer,
+    read_hf_weights,
+    resolve_spec,
+)
 from pipeline.errors import UserError
 
 # Texts whose token ids must agree between target and draft tokenizers.
@@ -27,7 +35,9 @@ def load_draft(spec: str, target: TargetSource) -> TargetSource:
     config = load_config(path)
     check_architecture(config, path)
     weights = {k: v.float() for k, v in read_hf_weights(path).items()}
-    borrowed = [n for n in SHARED_WITH_TARGET if n not in weights and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    borrowed = [
+        n for n in SHARED_WITH_TARGET if n not in weights and not (n == "lm_head.weight" and config.tie_word_embeddings)
+    ]
     for name in borrowed:
         weights[name] = target.lm_head if name == "lm_head.weight" else target.state_dict[name]
     if borrowed:
@@ -42,16 +52,22 @@ def load_draft(spec: str, target: TargetSource) -> TargetSource:
 
 def check_same_vocabulary(draft: TargetSource, target: TargetSource) -> None:
     if draft.config.vocab_size != target.config.vocab_size:
-        raise UserError(f"{draft.spec}: draft vocab_size {draft.config.vocab_size} differs from the target's "
-                        f"{target.config.vocab_size}; a draft model must share the target's tokenizer")
+        raise UserError(
+            f"{draft.spec}: draft vocab_size {draft.config.vocab_size} differs from the target's "
+            f"{target.config.vocab_size}; a draft model must share the target's tokenizer"
+        )
     for text in TOKENIZER_PROBES:
         a, b = draft.tokenizer(text).input_ids, target.tokenizer(text).input_ids
         if a != b:
-            raise UserError(f"{draft.spec}: the draft tokenizer encodes {text!r} as {a[:8]} but the target as {b[:8]}; "
-                            "a draft model must share the target's tokenizer")
+            raise UserError(
+                f"{draft.spec}: the draft tokenizer encodes {text!r} as {a[:8]} but the target as {b[:8]}; "
+                "a draft model must share the target's tokenizer"
+            )
     if draft.tokenizer.eos_token_id != target.tokenizer.eos_token_id:
-        raise UserError(f"{draft.spec}: draft eos id {draft.tokenizer.eos_token_id} differs from the target's "
-                        f"{target.tokenizer.eos_token_id}; a draft model must share the target's tokenizer")
+        raise UserError(
+            f"{draft.spec}: draft eos id {draft.tokenizer.eos_token_id} differs from the target's "
+            f"{target.tokenizer.eos_token_id}; a draft model must share the target's tokenizer"
+        )
 
 
 def write_draft_model(ckpt_dir: Path, target: TargetSource, spec: str, dtype: torch.dtype, tp: int) -> None:

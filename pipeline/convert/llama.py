@@ -57,15 +57,25 @@ DECODER_LAYER_RULES: tuple[WeightRule, ...] = (
 
 LLAMA_RULES: tuple[WeightRule, ...] = (
     WeightRule("transformer.vocab_embedding.weight", ("model.embed_tokens.weight",)),
-    *(WeightRule(f"transformer.layers.{{i}}.{r.trt}", tuple(f"model.layers.{{i}}.{h}" for h in r.hf), r.transform,
-                 r.optional) for r in DECODER_LAYER_RULES),
+    *(
+        WeightRule(
+            f"transformer.layers.{{i}}.{r.trt}", tuple(f"model.layers.{{i}}.{h}" for h in r.hf), r.transform, r.optional
+        )
+        for r in DECODER_LAYER_RULES
+    ),
     WeightRule("transformer.ln_f.weight", ("model.norm.weight",)),
     WeightRule("lm_head.weight", ("lm_head.weight",)),
 )
 
 
-def map_weights(rules: tuple[WeightRule, ...], source: dict[str, torch.Tensor], num_layers: int,
-                trt_prefix: str = "", hf_prefix: str = "", where: str = "source") -> dict[str, torch.Tensor]:
+def map_weights(
+    rules: tuple[WeightRule, ...],
+    source: dict[str, torch.Tensor],
+    num_layers: int,
+    trt_prefix: str = "",
+    hf_prefix: str = "",
+    where: str = "source",
+) -> dict[str, torch.Tensor]:
     """Apply a weight map; templates with `{i}` expand over layers. Missing required tensors are UserErrors."""
     out: dict[str, torch.Tensor] = {}
     for rule in rules:
@@ -76,7 +86,9 @@ def map_weights(rules: tuple[WeightRule, ...], source: dict[str, torch.Tensor], 
             if missing:
                 if rule.optional:
                     continue
-                raise UserError(f"{where}: tensor {missing[0]} is missing; it is needed for {trt_prefix + rule.trt.format(i=i)}")
+                raise UserError(
+                    f"{where}: tensor {missing[0]} is missing; it is needed for {trt_prefix + rule.trt.format(i=i)}"
+                )
             out[trt_prefix + rule.trt.format(i=i)] = TRANSFORMS[rule.transform](*(source[n] for n in names))
     return out
 
@@ -89,7 +101,9 @@ def check_parallel(hf_config: Any, tp: int, pp: int, what: str = "target") -> No
     if tp < 1 or pp < 1:
         raise UserError(f"--tp-size {tp} / --pp-size {pp}: sizes must be >= 1")
     if heads % tp:
-        raise UserError(f"--tp-size {tp}: does not divide the {what}'s num_attention_heads {heads}; use a divisor of {heads}")
+        raise UserError(
+            f"--tp-size {tp}: does not divide the {what}'s num_attention_heads {heads}; use a divisor of {heads}"
+        )
     if kv >= tp and kv % tp:
         raise UserError(f"--tp-size {tp}: does not divide the {what}'s num_key_value_heads {kv}; use a divisor of {kv}")
     if kv < tp and tp % kv:
@@ -97,18 +111,39 @@ def check_parallel(hf_config: Any, tp: int, pp: int, what: str = "target") -> No
     if hf_config.intermediate_size % tp:
         raise UserError(f"--tp-size {tp}: does not divide the {what}'s intermediate_size {hf_config.intermediate_size}")
     if layers % pp:
-        raise UserError(f"--pp-size {pp}: does not divide the {what}'s num_hidden_layers {layers}; use a divisor of {layers}")
+        raise UserError(
+            f"--pp-size {pp}: does not divide the {what}'s num_hidden_layers {layers}; use a divisor of {layers}"
+        )
 
 
 def mapping_config(tp: int, pp: int) -> dict[str, Any]:
-    return {"world_size": tp * pp, "gpus_per_node": GPUS_PER_NODE, "cp_size": 1, "tp_size": tp, "pp_size": pp,
-            "moe_tp_size": tp, "moe_cluster_size": 1, "moe_ep_size": 1, "attn_tp_size": tp, "attn_cp_size": 1,
-            "cp_config": {}, "enable_attention_dp": False, "enable_lm_head_tp_in_adp": False}
+    return {
+        "world_size": tp * pp,
+        "gpus_per_node": GPUS_PER_NODE,
+        "cp_size": 1,
+        "tp_size": tp,
+        "pp_size": pp,
+        "moe_tp_size": tp,
+        "moe_cluster_size": 1,
+        "moe_ep_size": 1,
+        "attn_tp_size": tp,
+        "attn_cp_size": 1,
+        "cp_config": {},
+        "enable_attention_dp": False,
+        "enable_lm_head_tp_in_adp": False,
+    }
 
 
 NO_QUANTIZATION: dict[str, Any] = {
-    "quant_algo": None, "kv_cache_quant_algo": None, "group_size": 128, "smoothquant_val": 0.5, "clamp_val": None,
-    "use_meta_recipe": False, "has_zero_point": False, "pre_quant_scale": False, "exclude_modules": None,
+    "quant_algo": None,
+    "kv_cache_quant_algo": None,
+    "group_size": 128,
+    "smoothquant_val": 0.5,
+    "clamp_val": None,
+    "use_meta_recipe": False,
+    "has_zero_point": False,
+    "pre_quant_scale": False,
+    "exclude_modules": None,
     "mamba_ssm_cache_dtype": None,
 }
 

@@ -32,7 +32,9 @@ def medusa_file(path: Path) -> Path:
     if path.is_file():
         return path
     if not path.is_dir():
-        raise UserError(f"{path}: Medusa heads not found; give a folder with medusa_lm_head.safetensors/.pt or the file")
+        raise UserError(
+            f"{path}: Medusa heads not found; give a folder with medusa_lm_head.safetensors/.pt or the file"
+        )
     for name in MEDUSA_FILES:
         if (path / name).is_file():
             return path / name
@@ -55,7 +57,7 @@ def parse_heads(tensors: dict[str, torch.Tensor], file: Path) -> dict[int, dict[
     shared = None
     raw_heads: dict[tuple[int, int], torch.Tensor] = {}
     for key, t in tensors.items():
-        name = key[len(MODELOPT_PREFIX):] if key.startswith(MODELOPT_PREFIX) else key
+        name = key[len(MODELOPT_PREFIX) :] if key.startswith(MODELOPT_PREFIX) else key
         if m := _REFERENCE_LINEAR.match(name) or _VLLM_LINEAR.match(name):
             linear.setdefault((int(m.group(1)), int(m.group(2))), {})[m.group(3)] = t
         elif m := _VLLM_HEAD.match(name):
@@ -65,9 +67,13 @@ def parse_heads(tensors: dict[str, torch.Tensor], file: Path) -> dict[int, dict[
         elif name == VLLM_SHARED_HEAD:
             shared = t
         elif name != "token_map":  # vLLM's optional reduced-vocab map; not used by TensorRT-LLM
-            raise UserError(f"{file}: tensor {key} is not a Medusa head tensor; expected FasterDecoding, ModelOpt or vLLM names")
+            raise UserError(
+                f"{file}: tensor {key} is not a Medusa head tensor; expected FasterDecoding, ModelOpt or vLLM names"
+            )
     if not linear:
-        raise UserError(f"{file}: no Medusa head layers found (keys like 0.0.linear.weight or blocks.0.layers.0.weight)")
+        raise UserError(
+            f"{file}: no Medusa head layers found (keys like 0.0.linear.weight or blocks.0.layers.0.weight)"
+        )
     num_heads = max(h for h, _ in linear) + 1
     heads: dict[int, dict[str, Any]] = {}
     for h in range(num_heads):
@@ -75,7 +81,10 @@ def parse_heads(tensors: dict[str, torch.Tensor], file: Path) -> dict[int, dict[
         if layers != list(range(len(layers))) or not layers:
             raise UserError(f"{file}: head {h} has layers {layers}; expected 0..L-1 for every head")
         lm = heads_lm.get(h, raw_heads.get((h, len(layers)), shared))
-        heads[h] = {"linear": [(linear[(h, l)].get("weight"), linear[(h, l)].get("bias")) for l in layers], "lm_head": lm}
+        heads[h] = {
+            "linear": [(linear[(h, l)].get("weight"), linear[(h, l)].get("bias")) for l in layers],
+            "lm_head": lm,
+        }
     return heads
 
 
@@ -87,8 +96,9 @@ def _declared_heads(path: Path) -> int | None:
     return cfg.get("medusa_num_heads") or cfg.get("num_heads") or (cfg.get("medusa") or {}).get("num_medusa_heads")
 
 
-def medusa_tensors(heads: dict[int, dict[str, Any]], source: TargetSource, file: Path,
-                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def medusa_tensors(
+    heads: dict[int, dict[str, Any]], source: TargetSource, file: Path, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """TensorRT-LLM head tensors, checking every shape against the target; missing pieces filled with a note."""
     h_size, vocab = source.config.hidden_size, source.config.vocab_size
     out: dict[str, torch.Tensor] = {}
@@ -113,40 +123,61 @@ def medusa_tensors(heads: dict[int, dict[str, Any]], source: TargetSource, file:
     if filled_lm:
         print(f"note: {file}: heads {filled_lm} have no lm_head; using the target's lm_head for them")
     if zero_bias:
-        print(f"note: {file}: heads {sorted(set(zero_bias))} have no linear bias (vLLM medusa_fc_bias=false); writing zeros")
+        print(
+            f"note: {file}: heads {sorted(set(zero_bias))} have no linear bias (vLLM medusa_fc_bias=false); writing zeros"
+        )
     return {k: v.to(dtype).contiguous() for k, v in out.items()}
 
 
 def _check(file: Path, what: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tuple(t.shape) != shape:
-        raise UserError(f"{file}: {what} has shape {list(t.shape)} but the target needs {list(shape)} "
-                        "(hidden size / vocabulary); these heads were trained for another model")
+        raise UserError(
+            f"{file}: {what} has shape {list(t.shape)} but the target needs {list(shape)} "
+            "(hidden size / vocabulary); these heads were trained for another model"
+        )
 
 
 def medusa_config(base: dict[str, Any], num_heads: int, num_layers: int, max_draft_len: int) -> dict[str, Any]:
     """Base LLaMA fields + the Medusa ones. rotary_scaling is reduced to {"type": ...} as TensorRT-LLM's
     Medusa converter writes it (it drops the factor; harmless for unscaled targets such as SmolLM2)."""
-    config = dict(base, architecture="MedusaForCausalLM", max_draft_len=max_draft_len, num_medusa_heads=num_heads,
-                  num_medusa_layers=num_layers, model_type=base.get("qwen_type", "llama"))
+    config = dict(
+        base,
+        architecture="MedusaForCausalLM",
+        max_draft_len=max_draft_len,
+        num_medusa_heads=num_heads,
+        num_medusa_layers=num_layers,
+        model_type=base.get("qwen_type", "llama"),
+    )
     if base.get("rotary_scaling"):
         config["rotary_scaling"] = {"type": base["rotary_scaling"]["type"]}
     return config
 
 
-def add_medusa(config: dict[str, Any], tensors: dict[str, torch.Tensor], source: TargetSource, path: str,
-               dtype: torch.dtype, num_heads: int | None, max_draft_len: int | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def add_medusa(
+    config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    source: TargetSource,
+    path: str,
+    dtype: torch.dtype,
+    num_heads: int | None,
+    max_draft_len: int | None,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     file = medusa_file(Path(path))
     heads = parse_heads(load_medusa_tensors(file), file)
     declared = _declared_heads(Path(path))
     if declared is not None and declared != len(heads):
-        print(f"note: {file}: config declares {declared} Medusa heads but the tensors hold {len(heads)}; using the tensors")
+        print(
+            f"note: {file}: config declares {declared} Medusa heads but the tensors hold {len(heads)}; using the tensors"
+        )
     if num_heads is not None:
         if not 1 <= num_heads <= len(heads):
             raise UserError(f"--num-medusa-heads {num_heads}: {file} holds {len(heads)} heads; choose 1..{len(heads)}")
         heads = {h: heads[h] for h in range(num_heads)}
     layer_counts = {len(head["linear"]) for head in heads.values()}
     if len(layer_counts) != 1:
-        raise UserError(f"{file}: heads have different layer counts {sorted(layer_counts)}; TensorRT-LLM needs one count")
+        raise UserError(
+            f"{file}: heads have different layer counts {sorted(layer_counts)}; TensorRT-LLM needs one count"
+        )
     draft_len = max_draft_len or DEFAULT_MEDUSA_DRAFT_LEN
     new_config = medusa_config(config, len(heads), layer_counts.pop(), draft_len)
     return new_config, {**tensors, **medusa_tensors(heads, source, file, dtype)}

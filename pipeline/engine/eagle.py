@@ -21,8 +21,19 @@ from pipeline.engine.acceptance import Acceptance
 from pipeline.engine.config import DynamicTreeConfig
 from pipeline.engine.graphs import CapturedStep, Compiled, prefill_bucket
 from pipeline.engine.kernels.routing import Drafter
-from pipeline.engine.model import (Attention, DecoderLayer, ForwardContext, KVCache, Linear, MLP, ModelConfig,
-                                   RMSNorm, Rotary, full_slot_context, make_context)
+from pipeline.engine.model import (
+    Attention,
+    DecoderLayer,
+    ForwardContext,
+    KVCache,
+    Linear,
+    MLP,
+    ModelConfig,
+    RMSNorm,
+    Rotary,
+    full_slot_context,
+    make_context,
+)
 from pipeline.engine.speculative import StepInput, TargetPass
 from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree
 
@@ -138,8 +149,14 @@ class EagleProposer:
     runs_ahead = True
     drafts_from_buffers = True
 
-    def __init__(self, net: EagleNet | Eagle3Net, cache_slots: int, tree: TreeBuffers | None,
-                 dynamic: DynamicTreeConfig | None, max_draft_len: int):
+    def __init__(
+        self,
+        net: EagleNet | Eagle3Net,
+        cache_slots: int,
+        tree: TreeBuffers | None,
+        dynamic: DynamicTreeConfig | None,
+        max_draft_len: int,
+    ):
         self.net = net
         self.capture_layers = getattr(net, "capture_layers", ())
         self.tree, self.dynamic = tree, dynamic
@@ -184,16 +201,22 @@ class EagleProposer:
             run = (prefill_bucket(n - 1, self.cache.num_slots) if self.pad_prompt else None) or n - 1
             ctx = make_context(self.cache, self.net.rotary, 0, torch.arange(run, device=tokens.device), None)
             pads = run - (n - 1)
-            self.net(F.pad(tokens[:n - 1], (0, pads))[None], F.pad(features[:n - 1], (0, 0, 0, pads))[None], ctx)
+            self.net(F.pad(tokens[: n - 1], (0, pads))[None], F.pad(features[: n - 1], (0, 0, 0, pads))[None], ctx)
         if self.pending_features is None:  # the feature width (H, or 3H for EAGLE-3) is known from here on
             self.pending_features = features.new_zeros(self.depth + 1, features.shape[-1])
-        self.pending_tokens[:1].copy_(tokens[n - 1:])
-        self.pending_features[:1].copy_(features[n - 1:])
+        self.pending_tokens[:1].copy_(tokens[n - 1 :])
+        self.pending_features[:1].copy_(features[n - 1 :])
         self.length.fill_(n - 1)
         self.num_pending.fill_(1)
 
-    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int | torch.Tensor, target: TargetPass,
-               length: int | torch.Tensor) -> None:
+    def update(
+        self,
+        tree: DraftTree,
+        acc: Acceptance,
+        num_accepted: int | torch.Tensor,
+        target: TargetPass,
+        length: int | torch.Tensor,
+    ) -> None:
         # Straight into the step's buffers (acc holds max_depth + 1 entries): no per-step allocation.
         torch.index_select(self.net.target_features(target), 0, acc.path, out=self.pending_features)
         self.pending_tokens.copy_(acc.tokens)
@@ -223,8 +246,9 @@ class EagleProposer:
 
     def _step(self) -> tuple[torch.Tensor, ...]:
         positions = self.length + self.run_offsets
-        ctx = full_slot_context(self.cache, self.net.rotary, self.length, positions, positions, self.causal,
-                                self.slot_ids)
+        ctx = full_slot_context(
+            self.cache, self.net.rotary, self.length, positions, positions, self.causal, self.slot_ids
+        )
         hidden = self.net(self.pending_tokens[None], self.pending_features[None], ctx)[0]
         root_hidden = hidden.index_select(0, self.num_pending.view(1) - 1)  # [1, H] guesses the root's children
         length = self.length + self.num_pending
@@ -232,8 +256,15 @@ class EagleProposer:
             return (self._static(root_hidden, length),)
         return self._dynamic(root_hidden, length)
 
-    def _draft(self, tokens: torch.Tensor, features: torch.Tensor, length: torch.Tensor, depth: int,
-               offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _draft(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        length: torch.Tensor,
+        depth: int,
+        offsets: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
         """Draft pass over nodes at tree slots length + offsets; rows [n, tree_slots] says which tree slots each sees."""
         positions = (length + depth - 1).expand(tokens.shape[0])
         ctx = full_slot_context(self.cache, self.net.rotary, length, positions, length + offsets, rows, self.slot_ids)
@@ -269,14 +300,17 @@ class EagleProposer:
         cand_depths = [torch.ones(k, dtype=torch.long, device=device)]
         frontier = self._topk(score, width)[1]  # candidate ids
         frontier_hidden = root_hidden.expand(width, -1)
-        rows = torch.zeros(width, self.tree_slots, dtype=torch.bool, device=device)  # tree slots each frontier node sees
+        rows = torch.zeros(
+            width, self.tree_slots, dtype=torch.bool, device=device
+        )  # tree slots each frontier node sees
         own = torch.eye(width, dtype=torch.bool, device=device)
         total = k
         for depth in range(1, cfg.depth):
             lo = (depth - 1) * width
-            rows = torch.cat([rows[:, :lo], own, rows[:, lo + width:]], dim=1)
-            out = self._draft(torch.cat(cand_tokens)[frontier], frontier_hidden, length, depth,
-                              lo + self.width_offsets, rows)
+            rows = torch.cat([rows[:, :lo], own, rows[:, lo + width :]], dim=1)
+            out = self._draft(
+                torch.cat(cand_tokens)[frontier], frontier_hidden, length, depth, lo + self.width_offsets, rows
+            )
             child_logp, child_token = self.net.top_logp(out, k)  # [width, k]
             child_score = (torch.cat(cand_scores)[frontier][:, None] + child_logp).flatten()
             cand_tokens.append(child_token.flatten())
@@ -288,8 +322,16 @@ class EagleProposer:
             frontier_hidden = out[best // k]
             rows = rows[best // k]
             total += width * k
-        return select_tree(self.root, torch.cat(cand_tokens), torch.cat(cand_parents), torch.cat(cand_depths),
-                           torch.cat(cand_scores), self.max_draft_len, cfg.depth, self._topk)
+        return select_tree(
+            self.root,
+            torch.cat(cand_tokens),
+            torch.cat(cand_parents),
+            torch.cat(cand_depths),
+            torch.cat(cand_scores),
+            self.max_draft_len,
+            cfg.depth,
+            self._topk,
+        )
 
     def _topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.net.drafter.topk(x, k)

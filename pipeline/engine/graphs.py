@@ -82,9 +82,13 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 def compile_mode() -> str:
     mode = os.environ.get(COMPILE_MODE_ENV) or "default"
     if mode not in COMPILE_MODES:
-        raise UserError(f"{COMPILE_MODE_ENV}={mode}: use one of {', '.join(COMPILE_MODES)} (the engine captures "
-                        "its own CUDA graphs, so modes that add inductor's cannot run inside them)")
+        raise UserError(
+            f"{COMPILE_MODE_ENV}={mode}: use one of {', '.join(COMPILE_MODES)} (the engine captures "
+            "its own CUDA graphs, so modes that add inductor's cannot run inside them)"
+        )
     return mode
+
+
 # Every engine in a process compiles the same code objects again (new self, new shapes); the default
 # limit of 8 would silently leave later engines eager.
 DYNAMO_CACHE_LIMIT = 256
@@ -103,7 +107,8 @@ class Compiled:
         if compile_enabled() if enabled is None else enabled:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, DYNAMO_CACHE_LIMIT)
             torch._dynamo.config.accumulated_cache_size_limit = max(
-                torch._dynamo.config.accumulated_cache_size_limit, DYNAMO_CACHE_LIMIT)
+                torch._dynamo.config.accumulated_cache_size_limit, DYNAMO_CACHE_LIMIT
+            )
             self.compiled = torch.compile(fn, fullgraph=True, mode=compile_mode())
 
     def __call__(self, *args: Any) -> Any:
@@ -111,8 +116,10 @@ class Compiled:
             try:
                 return self.compiled(*args)
             except Exception as exc:  # noqa: BLE001 - a compiler bug must cost speed, never the request
-                print(f"specpipe: torch.compile failed ({type(exc).__name__}: {str(exc)[:200]}); running eagerly",
-                      file=sys.stderr)
+                print(
+                    f"specpipe: torch.compile failed ({type(exc).__name__}: {str(exc)[:200]}); running eagerly",
+                    file=sys.stderr,
+                )
                 self.compiled = None
         return self.fn(*args)
 
@@ -154,8 +161,14 @@ class _Inputs:
 class GraphedTarget:
     """Replays of `target`'s forward over `cache`, one CUDA graph per new-token count."""
 
-    def __init__(self, target: Transformer, cache: KVCache, capture_layers: tuple[int, ...],
-                 max_tokens: int = MAX_GRAPH_TOKENS, compile: bool | None = None):
+    def __init__(
+        self,
+        target: Transformer,
+        cache: KVCache,
+        capture_layers: tuple[int, ...],
+        max_tokens: int = MAX_GRAPH_TOKENS,
+        compile: bool | None = None,
+    ):
         self.target, self.cache, self.capture_layers = target, cache, capture_layers
         self.max_tokens = max_tokens
         device = cache.k.device
@@ -180,18 +193,26 @@ class GraphedTarget:
         max_tokens new tokens."""
         return (isinstance(prefix_len, torch.Tensor) or prefix_len > 0) and num_tokens <= self.max_tokens
 
-    def run(self, tokens: torch.Tensor, prefix_len: int | torch.Tensor, positions: torch.Tensor,
-            tree_mask: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def run(
+        self,
+        tokens: torch.Tensor,
+        prefix_len: int | torch.Tensor,
+        positions: torch.Tensor,
+        tree_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The same (final hidden [T, H], captured [T, H] each) as the eager forward, from a replay."""
         t = tokens.shape[0]
         x = self.inputs.get(t)
         if x is None:
             device = tokens.device
-            x = self.inputs[t] = _Inputs(torch.zeros(t, dtype=torch.long, device=device),
-                                         torch.zeros(t, dtype=torch.long, device=device),
-                                         torch.ones(t, t, dtype=torch.bool, device=device))
-            self.graphs[t] = CapturedStep(lambda: self.forward(x.tokens, x.positions, x.tree_mask), self.pool,
-                                          self.capture)
+            x = self.inputs[t] = _Inputs(
+                torch.zeros(t, dtype=torch.long, device=device),
+                torch.zeros(t, dtype=torch.long, device=device),
+                torch.ones(t, t, dtype=torch.bool, device=device),
+            )
+            self.graphs[t] = CapturedStep(
+                lambda: self.forward(x.tokens, x.positions, x.tree_mask), self.pool, self.capture
+            )
         # Inputs first: the capture's warm-up runs write this step's KV slots, so they must be real.
         self.length.fill_(prefix_len)
         x.tokens.copy_(tokens)
@@ -210,13 +231,18 @@ class GraphedTarget:
         if bucket is None or not self.prefill_graphs:
             return None
         if bucket not in self.prefills:
-            x = _Inputs(torch.zeros(bucket, dtype=torch.long, device=tokens.device), self.offsets[:bucket].clone(),
-                        torch.ones(bucket, bucket, dtype=torch.bool, device=tokens.device).tril())
+            x = _Inputs(
+                torch.zeros(bucket, dtype=torch.long, device=tokens.device),
+                self.offsets[:bucket].clone(),
+                torch.ones(bucket, bucket, dtype=torch.bool, device=tokens.device).tril(),
+            )
             # The eager forward, not the compiled one: a third token count recompiles that with the
             # count symbolic, which took the H200 about 35 s an engine over the buckets, for a pass
             # that runs once a request (captured, its launches cost no host time anyway).
-            self.prefills[bucket] = x, CapturedStep(lambda: self._forward(x.tokens, x.positions, x.tree_mask),
-                                                    self.pool, self.capture)
+            self.prefills[bucket] = (
+                x,
+                CapturedStep(lambda: self._forward(x.tokens, x.positions, x.tree_mask), self.pool, self.capture),
+            )
         x, step = self.prefills[bucket]
         self.length.fill_(0)
         x.tokens.zero_()
@@ -224,32 +250,43 @@ class GraphedTarget:
         try:
             hidden, captured = step()
         except RuntimeError as exc:  # a capture the device refuses must cost speed, never the request
-            print(f"specpipe: the {bucket}-token prefill graph failed ({str(exc)[:200]}); prompts run eagerly",
-                  file=sys.stderr)
+            print(
+                f"specpipe: the {bucket}-token prefill graph failed ({str(exc)[:200]}); prompts run eagerly",
+                file=sys.stderr,
+            )
             self.prefill_graphs = False
             return None
         return hidden[:n].clone(), [c[:n].clone() for c in captured]
 
-    def run_greedy_tree(self, tree: DraftTree, prefix_len: int | torch.Tensor
-                        ) -> tuple[torch.Tensor, list[torch.Tensor], Acceptance]:
+    def run_greedy_tree(
+        self, tree: DraftTree, prefix_len: int | torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor], Acceptance]:
         """Verify `tree` after prefix_len, accept greedily and move the accepted path's KV to the
         slots after the prefix, in one replay: (final hidden [T, H], captured [T, H] each,
         Acceptance), static tensors like run's."""
         key = (tree.num_nodes, tree.max_depth)
         if key not in self.trees:
-            x = DraftTree(*(torch.zeros_like(t) for t in (tree.tokens, tree.parents, tree.depths)),
-                          torch.ones_like(tree.mask), tree.max_depth)
+            x = DraftTree(
+                *(torch.zeros_like(t) for t in (tree.tokens, tree.parents, tree.depths)),
+                torch.ones_like(tree.mask),
+                tree.max_depth,
+            )
             self.trees[key] = x, CapturedStep(lambda: self._verify_and_compact(x), self.pool, self.capture)
         x, step = self.trees[key]
         self.length.fill_(prefix_len)
-        for buffer, value in ((x.tokens, tree.tokens), (x.parents, tree.parents), (x.depths, tree.depths),
-                              (x.mask, tree.mask)):
+        for buffer, value in (
+            (x.tokens, tree.tokens),
+            (x.parents, tree.parents),
+            (x.depths, tree.depths),
+            (x.mask, tree.mask),
+        ):
             buffer.copy_(value)
         hidden, captured, path, num_accepted, tokens = step()
         return hidden, captured, Acceptance(path, num_accepted, tokens)
 
-    def run_greedy_draft(self, draft: Callable[[], DraftTree], prefix_len: int | torch.Tensor
-                         ) -> tuple[DraftTree, torch.Tensor, list[torch.Tensor], Acceptance]:
+    def run_greedy_draft(
+        self, draft: Callable[[], DraftTree], prefix_len: int | torch.Tensor
+    ) -> tuple[DraftTree, torch.Tensor, list[torch.Tensor], Acceptance]:
         """run_greedy_tree with the drafting in the same replay: `draft` lays out the tree from the
         proposer's own static buffers (the same each call; the graph captures its first). It must be
         idempotent, as verification is: the capture runs the whole step twice first."""
@@ -267,20 +304,30 @@ class GraphedTarget:
         out = self.greedy_verify(tree.tokens, tree.parents, tree.depths, tree.mask, tree.max_depth)
         # Outside the compiled function: inductor turns an index assignment into a view of the cache
         # into a copy of the whole cache out and back.
-        self.cache.move(self.length + out[2], self.length + self.offsets[:tree.max_depth + 1])
+        self.cache.move(self.length + out[2], self.length + self.offsets[: tree.max_depth + 1])
         return out
 
-    def _greedy_verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-                       tree_mask: torch.Tensor, max_depth: int) -> tuple[Any, ...]:
+    def _greedy_verify(
+        self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor, max_depth: int
+    ) -> tuple[Any, ...]:
         hidden, captured = self._forward(tokens, self.length + depths, tree_mask)
-        acc = accept_greedy(DraftTree(tokens, parents, depths, tree_mask, max_depth),
-                            argmax_rows(self.target.logits(hidden)))
+        acc = accept_greedy(
+            DraftTree(tokens, parents, depths, tree_mask, max_depth), argmax_rows(self.target.logits(hidden))
+        )
         return hidden, captured, acc.path, acc.num_accepted, acc.tokens
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                 tree_mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         t = tokens.shape[0]
-        ctx = full_slot_context(self.cache, self.target.rotary, self.length, positions, self.length + self.offsets[:t],
-                                tree_mask, self.slot_ids)
+        ctx = full_slot_context(
+            self.cache,
+            self.target.rotary,
+            self.length,
+            positions,
+            self.length + self.offsets[:t],
+            tree_mask,
+            self.slot_ids,
+        )
         hidden, captured = self.target(tokens[None], ctx, self.capture_layers)
         return hidden[0], [c[0] for c in captured]

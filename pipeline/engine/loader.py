@@ -38,15 +38,18 @@ def build_transformer(config: dict, tensors: dict[str, torch.Tensor], what: str,
     return model
 
 
-def load_engine(engine: EngineDir, device: torch.device, dtype: torch.dtype | None,
-                serving: SchedulerConfig | None = None) -> Engine:
+def load_engine(
+    engine: EngineDir, device: torch.device, dtype: torch.dtype | None, serving: SchedulerConfig | None = None
+) -> Engine:
     from transformers import AutoTokenizer
 
     from pipeline.convert.checkpoint import read_checkpoint
 
     if engine.backend != "portable":
-        raise UserError(f"{engine.path}: a {engine.backend!r} engine runs in TensorRT-LLM, not the portable engine; "
-                        "build with --backend portable")
+        raise UserError(
+            f"{engine.path}: a {engine.backend!r} engine runs in TensorRT-LLM, not the portable engine; "
+            "build with --backend portable"
+        )
     config, tensors = read_checkpoint(engine.path)
     dtype = dtype or DTYPES[config.get("dtype", "float32")]
     target = build_transformer(config, tensors, str(engine.path), max_positions(engine)).to(device, dtype).eval()
@@ -58,8 +61,14 @@ def load_engine(engine: EngineDir, device: torch.device, dtype: torch.dtype | No
     return runtime
 
 
-def make_proposer(engine: EngineDir, config: dict, tensors: dict[str, torch.Tensor], target: Transformer,
-                  device: torch.device, dtype: torch.dtype) -> Proposer | None:
+def make_proposer(
+    engine: EngineDir,
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    target: Transformer,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Proposer | None:
     spec: SpecConfig = engine.spec
     slots = engine.limits.max_seq_len
     if spec.mode == "none":
@@ -67,8 +76,13 @@ def make_proposer(engine: EngineDir, config: dict, tensors: dict[str, torch.Tens
     if spec.mode == "ngram":
         return NgramProposer(spec.ngram, device)
     if spec.mode == "medusa":
-        heads = medusa_heads(config["num_medusa_heads"], config.get("num_medusa_layers", 1), target.cfg.hidden_size,
-                             target.cfg.vocab_size, config.get("hidden_act", "silu"))
+        heads = medusa_heads(
+            config["num_medusa_heads"],
+            config.get("num_medusa_layers", 1),
+            target.cfg.hidden_size,
+            target.cfg.vocab_size,
+            config.get("hidden_act", "silu"),
+        )
         load_into(heads, engine_state_dict(tensors, "medusa_heads.", ""), f"{engine.path} medusa heads")
         # Heads trained on the frozen LM head carry copies of the target's (the checkpoint format wants one
         # a head): equal in the engine's dtype, they share the target's module and its one product a step.
@@ -78,11 +92,18 @@ def make_proposer(engine: EngineDir, config: dict, tensors: dict[str, torch.Tens
             for head in heads:
                 head.lm_head = None
         tree = None if spec.dynamic_tree else build_tree(spec.choices).to(device)
-        return MedusaProposer(_ready(heads, device, dtype), tree, target.lm_head if shared else None,
-                              spec.dynamic_tree, spec.max_draft_len)
+        return MedusaProposer(
+            _ready(heads, device, dtype),
+            tree,
+            target.lm_head if shared else None,
+            spec.dynamic_tree,
+            spec.max_draft_len,
+        )
     if spec.mode == "eagle":
-        net = EagleNet(model_config(config["eagle_net_config"], tensors, max_positions(engine)),
-                       fc_bias="eagle_nets.0.drafter.fc.bias" in tensors)
+        net = EagleNet(
+            model_config(config["eagle_net_config"], tensors, max_positions(engine)),
+            fc_bias="eagle_nets.0.drafter.fc.bias" in tensors,
+        )
         state = engine_state_dict(tensors, "eagle_nets.0.", "drafter.")
         load_into(net, state, f"{engine.path} eagle draft")
         return _eagle(net, spec, slots, device, dtype)
@@ -134,17 +155,26 @@ def load_eagle3(draft_dir: Path, target: Transformer) -> Eagle3Net:
     tensors = load_file(str(draft_dir / "model.safetensors"))
     t = target.cfg
     cfg = ModelConfig(
-        vocab_size=t.vocab_size, hidden_size=hf.get("hidden_size", t.hidden_size),
-        num_layers=1, num_heads=hf.get("num_attention_heads", t.num_heads),
+        vocab_size=t.vocab_size,
+        hidden_size=hf.get("hidden_size", t.hidden_size),
+        num_layers=1,
+        num_heads=hf.get("num_attention_heads", t.num_heads),
         num_kv_heads=hf.get("num_key_value_heads", t.num_kv_heads),
-        head_size=hf.get("head_dim") or hf.get("hidden_size", t.hidden_size) // hf.get("num_attention_heads", t.num_heads),
+        head_size=hf.get("head_dim")
+        or hf.get("hidden_size", t.hidden_size) // hf.get("num_attention_heads", t.num_heads),
         intermediate_size=hf.get("intermediate_size", t.intermediate_size),
-        norm_epsilon=hf.get("rms_norm_eps", t.norm_epsilon), rope_theta=t.rope_theta, rope_scaling=t.rope_scaling,
-        max_position_embeddings=t.max_position_embeddings)
+        norm_epsilon=hf.get("rms_norm_eps", t.norm_epsilon),
+        rope_theta=t.rope_theta,
+        rope_scaling=t.rope_scaling,
+        max_position_embeddings=t.max_position_embeddings,
+    )
     draft_vocab = tensors["lm_head.weight"].shape[0] if "lm_head.weight" in tensors else t.vocab_size
     # TensorRT-LLM's option name, or the name our trainer records; else TensorRT-LLM's default.
-    layers = tuple(hf.get("eagle3_layers_to_capture") or hf.get("fused_target_layer_outputs")
-                   or eagle3_capture_layers(t.num_layers))
+    layers = tuple(
+        hf.get("eagle3_layers_to_capture")
+        or hf.get("fused_target_layer_outputs")
+        or eagle3_capture_layers(t.num_layers)
+    )
     net = Eagle3Net(cfg, layers, draft_vocab, fc_bias="fc.bias" in tensors)
     state = {}
     qkv = [tensors.pop(f"midlayer.self_attn.{x}_proj.weight") for x in "qkv"]

@@ -61,8 +61,14 @@ class MedusaProposer:
     # one replay 1.32 ms).
     drafts_from_buffers = True
 
-    def __init__(self, heads: nn.ModuleList, tree: TreeBuffers | None, lm_head: Linear | None = None,
-                 dynamic: DynamicTreeConfig | None = None, max_draft_len: int = 0):
+    def __init__(
+        self,
+        heads: nn.ModuleList,
+        tree: TreeBuffers | None,
+        lm_head: Linear | None = None,
+        dynamic: DynamicTreeConfig | None = None,
+        max_draft_len: int = 0,
+    ):
         """tree: the static tree, or None with `dynamic` (and max_draft_len nodes kept a step).
         lm_head: one LM head for every head (the target's, when the heads' copies equal it), so that a
         step reads it once for all depths instead of once a head: on the CPU four float32 copies of
@@ -147,9 +153,23 @@ class MedusaProposer:
             cand_depths.append(torch.full((width * k,), depth + 1, device=device))
             frontier = total + self._topk(child_score, width)[1]
             total += width * k
-        return select_tree(self.root, torch.cat(cand_tokens), torch.cat(cand_parents), torch.cat(cand_depths),
-                           torch.cat(cand_scores), self.max_draft_len, len(self.heads), self._topk)
+        return select_tree(
+            self.root,
+            torch.cat(cand_tokens),
+            torch.cat(cand_parents),
+            torch.cat(cand_depths),
+            torch.cat(cand_scores),
+            self.max_draft_len,
+            len(self.heads),
+            self._topk,
+        )
 
-    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int | torch.Tensor, target: TargetPass,
-               length: int | torch.Tensor) -> None:
+    def update(
+        self,
+        tree: DraftTree,
+        acc: Acceptance,
+        num_accepted: int | torch.Tensor,
+        target: TargetPass,
+        length: int | torch.Tensor,
+    ) -> None:
         torch.index_select(target.hidden, 0, acc.last_node, out=self.hidden)

@@ -19,10 +19,10 @@ def lookup(history: list[int], cfg: NgramConfig) -> list[int]:
     """Tokens that followed the most recent earlier match of the longest matching suffix."""
     size = len(history)
     for n in range(min(cfg.max_n, size - 1), cfg.min_n - 1, -1):
-        suffix = history[size - n:]
+        suffix = history[size - n :]
         for start in range(size - n - 1, -1, -1):
-            if history[start:start + n] == suffix:
-                return history[start + n:start + n + cfg.k]
+            if history[start : start + n] == suffix:
+                return history[start + n : start + n + cfg.k]
     return []
 
 

@@ -23,8 +23,11 @@ ROWS_HINT = 1
 
 
 def available() -> bool:
-    return (os.environ.get(ENV, "1") != "0" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return (
+        os.environ.get(ENV, "1") != "0"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 def pack(module: nn.Module) -> int:
@@ -32,8 +35,11 @@ def pack(module: nn.Module) -> int:
     returns how many. Call it after the weights are final: the packed copy does not follow them."""
     if not available():
         return 0
-    linears = [m for m in module.modules()
-               if isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    linears = [
+        m
+        for m in module.modules()
+        if isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+    ]
     for m in linears:
         m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), ROWS_HINT)
     return len(linears)

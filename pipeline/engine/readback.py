@@ -31,9 +31,10 @@ class Readback:
         if values.device.type != "cuda":
             return Pending(values, None)
         if not self.buffers or self.buffers[0].numel() < values.numel():
-            self.buffers = [torch.empty(values.numel(), dtype=values.dtype, device="cpu", pin_memory=True)
-                            for _ in range(2)]
-        host = self.buffers[self.turn][:values.numel()].view(values.shape)
+            self.buffers = [
+                torch.empty(values.numel(), dtype=values.dtype, device="cpu", pin_memory=True) for _ in range(2)
+            ]
+        host = self.buffers[self.turn][: values.numel()].view(values.shape)
         self.turn ^= 1
         host.copy_(values, non_blocking=True)
         done = torch.cuda.Event()

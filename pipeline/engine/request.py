@@ -52,5 +52,5 @@ class StopChecker:
         return taken
 
     def _hit_stop_word(self, out: list[int]) -> bool:
-        tail = self.tokenizer.decode(out[-self.window:], skip_special_tokens=True)
+        tail = self.tokenizer.decode(out[-self.window :], skip_special_tokens=True)
         return any(tail.endswith(w) for w in self.params.stop_words)

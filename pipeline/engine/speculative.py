@@ -56,11 +56,16 @@ class Proposer(Protocol):
     def start(self, prompt: torch.Tensor, target: TargetPass, first: torch.Tensor) -> None:
         """After the prefill: prompt [n], the target's pass over it, and the first token [1]."""
 
-    def propose(self, step: StepInput) -> DraftTree:
-        ...
+    def propose(self, step: StepInput) -> DraftTree: ...
 
-    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int | torch.Tensor, target: TargetPass,
-               length: int | torch.Tensor) -> None:
+    def update(
+        self,
+        tree: DraftTree,
+        acc: Acceptance,
+        num_accepted: int | torch.Tensor,
+        target: TargetPass,
+        length: int | torch.Tensor,
+    ) -> None:
         """After verification of `tree` at cache offset `length`; num_accepted and length are host
         ints, or device scalars for a proposer that runs ahead."""
 

@@ -33,8 +33,10 @@ class SpecStats:
     @property
     def per_depth_acceptance(self) -> list[float]:
         """P(depth d accepted | the tree reached depth d)."""
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_depth + [0] * len(self.drafted_per_depth),
-                                                      self.drafted_per_depth)]
+        return [
+            a / d if d else 0.0
+            for a, d in zip(self.accepted_per_depth + [0] * len(self.drafted_per_depth), self.drafted_per_depth)
+        ]
 
     def merge(self, other: "SpecStats") -> None:
         self.steps += other.steps
@@ -52,8 +54,11 @@ class SpecStats:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(acceptance_length=self.acceptance_length, acceptance_rate=self.acceptance_rate,
-                 per_depth_acceptance=self.per_depth_acceptance)
+        d.update(
+            acceptance_length=self.acceptance_length,
+            acceptance_rate=self.acceptance_rate,
+            per_depth_acceptance=self.per_depth_acceptance,
+        )
         return d
 
 

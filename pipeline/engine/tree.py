@@ -22,12 +22,69 @@ Choices = list[list[int]]
 # The default tree of Medusa and TensorRT-LLM (63 nodes, depth 4): each path lists the top-k rank
 # taken at each depth. Order is by estimated acceptance probability.
 MC_SIM_7B_63: Choices = [
-    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0],
-    [0, 5], [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0],
-    [0, 9], [8], [9], [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5],
-    [0, 0, 0, 0], [0, 1, 1], [0, 0, 6], [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9],
-    [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2], [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0],
-    [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0],
+    [0],
+    [0, 0],
+    [1],
+    [0, 1],
+    [2],
+    [0, 0, 0],
+    [1, 0],
+    [0, 2],
+    [3],
+    [0, 3],
+    [4],
+    [0, 4],
+    [2, 0],
+    [0, 5],
+    [0, 0, 1],
+    [5],
+    [0, 6],
+    [6],
+    [0, 7],
+    [0, 1, 0],
+    [1, 1],
+    [7],
+    [0, 8],
+    [0, 0, 2],
+    [3, 0],
+    [0, 9],
+    [8],
+    [9],
+    [1, 0, 0],
+    [0, 2, 0],
+    [1, 2],
+    [0, 0, 3],
+    [4, 0],
+    [2, 1],
+    [0, 0, 4],
+    [0, 0, 5],
+    [0, 0, 0, 0],
+    [0, 1, 1],
+    [0, 0, 6],
+    [0, 3, 0],
+    [5, 0],
+    [1, 3],
+    [0, 0, 7],
+    [0, 0, 8],
+    [0, 0, 9],
+    [6, 0],
+    [0, 4, 0],
+    [1, 4],
+    [7, 0],
+    [0, 1, 2],
+    [2, 0, 0],
+    [3, 1],
+    [2, 2],
+    [8, 0],
+    [0, 5, 0],
+    [1, 5],
+    [1, 0, 1],
+    [0, 2, 1],
+    [9, 0],
+    [0, 6, 0],
+    [0, 0, 0, 1],
+    [1, 6],
+    [0, 7, 0],
 ]
 
 WIDE_SHALLOW_WIDTH = 8
@@ -74,8 +131,9 @@ def parse_choices(spec: str | Choices) -> Choices:
         ) from None
 
 
-def validate_choices(choices: Choices, max_depth: int | None = None, max_draft_len: int | None = None,
-                     what: str = "choices") -> None:
+def validate_choices(
+    choices: Choices, max_depth: int | None = None, max_draft_len: int | None = None, what: str = "choices"
+) -> None:
     """Refuse trees the verifier cannot lay out: empty, duplicate or non-prefix-closed paths, too deep or too big."""
     if not choices:
         raise UserError(f"{what}: the tree is empty; give at least one path such as [[0]]")
@@ -86,12 +144,18 @@ def validate_choices(choices: Choices, max_depth: int | None = None, max_draft_l
         if not path or any(r < 0 for r in path):
             raise UserError(f"{what}: path {path} is empty or has a negative rank; ranks are top-k indices >= 0")
         if len(path) > 1 and tuple(path[:-1]) not in seen:
-            raise UserError(f"{what}: path {path} has no parent {path[:-1]}; every prefix of a path must be in the tree")
+            raise UserError(
+                f"{what}: path {path} has no parent {path[:-1]}; every prefix of a path must be in the tree"
+            )
     depth = max(len(p) for p in choices)
     if max_depth is not None and depth > max_depth:
-        raise UserError(f"{what}: depth {depth} exceeds {max_depth} (the number of draft heads/layers); use a shallower tree")
+        raise UserError(
+            f"{what}: depth {depth} exceeds {max_depth} (the number of draft heads/layers); use a shallower tree"
+        )
     if max_draft_len is not None and len(choices) > max_draft_len:
-        raise UserError(f"{what}: {len(choices)} nodes exceed max_draft_len {max_draft_len}; use a smaller tree or raise --max-draft-len")
+        raise UserError(
+            f"{what}: {len(choices)} nodes exceed max_draft_len {max_draft_len}; use a smaller tree or raise --max-draft-len"
+        )
 
 
 def choices_to_triton(choices: Choices) -> str:
@@ -115,8 +179,14 @@ class TreeBuffers:
         return self.parents.shape[0]
 
     def to(self, device: torch.device | str) -> "TreeBuffers":
-        return TreeBuffers(self.parents.to(device), self.depths.to(device), self.ranks.to(device),
-                           self.mask.to(device), self.retrieve_paths.to(device), self.max_depth)
+        return TreeBuffers(
+            self.parents.to(device),
+            self.depths.to(device),
+            self.ranks.to(device),
+            self.mask.to(device),
+            self.retrieve_paths.to(device),
+            self.max_depth,
+        )
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -223,17 +293,26 @@ class DraftTree:
         return self.tokens.shape[0]
 
     @classmethod
-    def from_buffers(cls, tokens: torch.Tensor, buffers: TreeBuffers,
-                     draft_probs: torch.Tensor | None = None) -> "DraftTree":
+    def from_buffers(
+        cls, tokens: torch.Tensor, buffers: TreeBuffers, draft_probs: torch.Tensor | None = None
+    ) -> "DraftTree":
         return cls(tokens, buffers.parents, buffers.depths, buffers.mask, buffers.max_depth, draft_probs)
 
 
 def chain_buffers(length: int, device: torch.device | str = "cpu") -> TreeBuffers:
     """A root followed by `length` nodes in a line (length 0: the root alone, i.e. plain decoding)."""
-    return build_tree(chain(length)).to(device) if length else TreeBuffers(
-        parents=torch.tensor([-1], device=device), depths=torch.zeros(1, dtype=torch.long, device=device),
-        ranks=torch.zeros(1, dtype=torch.long, device=device), mask=torch.ones(1, 1, dtype=torch.bool, device=device),
-        retrieve_paths=torch.zeros(1, 1, dtype=torch.long, device=device), max_depth=0)
+    return (
+        build_tree(chain(length)).to(device)
+        if length
+        else TreeBuffers(
+            parents=torch.tensor([-1], device=device),
+            depths=torch.zeros(1, dtype=torch.long, device=device),
+            ranks=torch.zeros(1, dtype=torch.long, device=device),
+            mask=torch.ones(1, 1, dtype=torch.bool, device=device),
+            retrieve_paths=torch.zeros(1, 1, dtype=torch.long, device=device),
+            max_depth=0,
+        )
+    )
 
 
 # Subtracted per depth from path scores so that a child never outranks its parent on a tie:
@@ -241,10 +320,16 @@ def chain_buffers(length: int, device: torch.device | str = "cpu") -> TreeBuffer
 DEPTH_TIE_BREAK = 1e-4
 
 
-def select_tree(root: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-                scores: torch.Tensor, max_draft_len: int, max_depth: int,
-                topk: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = torch.topk
-                ) -> tuple[torch.Tensor, ...]:
+def select_tree(
+    root: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    scores: torch.Tensor,
+    max_draft_len: int,
+    max_depth: int,
+    topk: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = torch.topk,
+) -> tuple[torch.Tensor, ...]:
     """A dynamic tree (EAGLE-2's selection) from candidates whose parents are candidate ids (-1: the root)
     and whose scores are path log-probabilities: the max_draft_len best, ordered by depth, under `root`.
     Returns (tokens, parents, depths, ancestor mask), the root at node 0. `topk` does both sorts (a

@@ -28,8 +28,8 @@ def engine_state_dict(tensors: dict[str, torch.Tensor], prefix: str, strip: str)
     for name, tensor in tensors.items():
         if not name.startswith(prefix):
             continue
-        local = name[len(prefix):]
-        local = local[len(strip):] if local.startswith(strip) else local
+        local = name[len(prefix) :]
+        local = local[len(strip) :] if local.startswith(strip) else local
         m = FUSED_MLP.match(local)
         if m:
             pending.setdefault((m.group(1), m.group(3)), {})[m.group(2)] = tensor
@@ -42,7 +42,9 @@ def engine_state_dict(tensors: dict[str, torch.Tensor], prefix: str, strip: str)
     return out
 
 
-def load_into(module: nn.Module, state: dict[str, torch.Tensor], what: str, allow_missing: tuple[str, ...] = ()) -> None:
+def load_into(
+    module: nn.Module, state: dict[str, torch.Tensor], what: str, allow_missing: tuple[str, ...] = ()
+) -> None:
     """load_state_dict with one clear error naming the first missing, unexpected or mis-shaped tensor."""
     own = module.state_dict()
     missing = [k for k in own if k not in state and k not in allow_missing]

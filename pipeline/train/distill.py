@@ -22,9 +22,16 @@ from pipeline.train.target import extract_features
 
 
 @torch.no_grad()
-def continuations(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-                  eos_id: int, pad_id: int, time_budget_s: float,
-                  temperature: float = 0.0) -> tuple[list[list[int]], list[int]]:
+def continuations(
+    model: nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    batch_size: int,
+    eos_id: int,
+    pad_id: int,
+    time_budget_s: float,
+    temperature: float = 0.0,
+) -> tuple[list[list[int]], list[int]]:
     """(prompt + the target's continuation through the first EOS, prompt length) per prompt; prompts of
     similar length are batched together. Greedy at temperature 0, else sampled from the full distribution.
 
@@ -34,23 +41,30 @@ def continuations(model: nn.Module, prompts: list[list[int]], max_new_tokens: in
     out: list[list[int]] = []
     prompt_lens: list[int] = []
     start = time.monotonic()
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
-        dict(do_sample=False)
+    sampling = (
+        dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    )
     desc = f"self-distill (T={temperature:g})" if temperature > 0 else "self-distill (greedy)"
     bar = tqdm(range(0, len(order), batch_size), desc=desc, unit="batch")
     for lo in bar:
         if time.monotonic() - start > time_budget_s:
             bar.write(f"self-distill: time budget spent after {len(out)} sequences")
             break
-        batch = [prompts[i] for i in order[lo:lo + batch_size]]
+        batch = [prompts[i] for i in order[lo : lo + batch_size]]
         width = max(map(len, batch))
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, p in enumerate(batch):  # left padding: every prompt ends where generation starts
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **sampling,
-                             max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id)
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        gen = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            **sampling,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+        )
         for row, p in enumerate(batch):
             cont = gen[row, width:].tolist()
             if eos_id in cont:
@@ -121,8 +135,9 @@ class DistillSet:
 
     def to(self, device: str) -> "DistillSet":
         move = lambda t: None if t is None else t.to(device)  # a tensor or PackedRows
-        return DistillSet(move(self.tokens), move(self.lengths), move(self.prompt_lens), move(self.features),
-                          move(self.aux))
+        return DistillSet(
+            move(self.tokens), move(self.lengths), move(self.prompt_lens), move(self.features), move(self.aux)
+        )
 
     def subset(self, rows: torch.Tensor) -> "DistillSet":
         width = int(self.lengths[rows].max())
@@ -132,8 +147,9 @@ class DistillSet:
                 return t.padded(rows, self.lengths[rows], width)
             return None if t is None else t[rows, :width]
 
-        return DistillSet(pick(self.tokens), self.lengths[rows], self.prompt_lens[rows], pick(self.features),
-                          pick(self.aux))
+        return DistillSet(
+            pick(self.tokens), self.lengths[rows], self.prompt_lens[rows], pick(self.features), pick(self.aux)
+        )
 
     def save_tokens(self, path) -> None:
         """Compact, device-independent record of the sequences (uint16 ids: vocab < 65536)."""
@@ -142,8 +158,12 @@ class DistillSet:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".partial")  # another trainer may be waiting for `path`
         with open(partial, "wb") as f:
-            np.savez_compressed(f, tokens=flat.cpu().numpy().astype(np.uint16), lengths=self.lengths.cpu().numpy(),
-                                prompt_lens=self.prompt_lens.cpu().numpy())
+            np.savez_compressed(
+                f,
+                tokens=flat.cpu().numpy().astype(np.uint16),
+                lengths=self.lengths.cpu().numpy(),
+                prompt_lens=self.prompt_lens.cpu().numpy(),
+            )
         os.replace(partial, path)
 
     @classmethod
@@ -156,12 +176,18 @@ def read_tokens(path) -> tuple[list[list[int]], list[int]]:
     data = np.load(path)
     flat, lengths = data["tokens"].astype(np.int64), data["lengths"]
     bounds = np.concatenate([[0], np.cumsum(lengths)])
-    return [flat[bounds[i]:bounds[i + 1]].tolist() for i in range(len(lengths))], data["prompt_lens"].tolist()
+    return [flat[bounds[i] : bounds[i + 1]].tolist() for i in range(len(lengths))], data["prompt_lens"].tolist()
 
 
 @torch.no_grad()
-def attach_features(data: DistillSet, model: nn.Module, aux_layers: tuple[int, ...], batch_size: int,
-                    feature_dtype: torch.dtype, aux_dtype: torch.dtype) -> DistillSet:
+def attach_features(
+    data: DistillSet,
+    model: nn.Module,
+    aux_layers: tuple[int, ...],
+    batch_size: int,
+    feature_dtype: torch.dtype,
+    aux_dtype: torch.dtype,
+) -> DistillSet:
     """Fills `features` (and `aux` when aux_layers is non-empty), packed, by running the frozen target
     once; rows go through it shortest first, each batch cut to its longest row, so padding costs little
     target compute."""
@@ -171,7 +197,7 @@ def attach_features(data: DistillSet, model: nn.Module, aux_layers: tuple[int, .
     data.aux = PackedRows.zeros(data.lengths, len(aux_layers) * hidden, aux_dtype, device) if aux_layers else None
     order = torch.argsort(data.lengths)
     for lo in tqdm(range(0, len(order), batch_size), desc="target features", unit="batch"):
-        pick = order[lo:lo + batch_size]
+        pick = order[lo : lo + batch_size]
         cut = int(data.lengths[pick].max())
         final, aux = extract_features(model, data.tokens[pick, :cut].to(device), aux_layers)
         index, inside = data.features.positions(pick, data.lengths[pick], cut)
@@ -210,4 +236,4 @@ def random_batches(data: DistillSet, batch_size: int, seed: int):
     while True:
         perm = torch.randperm(len(data.lengths), generator=gen)
         for lo in range(0, len(perm) - batch_size + 1, batch_size):
-            yield data.subset(perm[lo:lo + batch_size].to(data.lengths.device))
+            yield data.subset(perm[lo : lo + batch_size].to(data.lengths.device))

@@ -29,12 +29,22 @@ def build_draft_model(target: nn.Module, layer_ids: tuple[int, ...]) -> nn.Modul
     from transformers import LlamaConfig, LlamaForCausalLM
 
     t = target.config
-    cfg = LlamaConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                      num_hidden_layers=len(layer_ids), num_attention_heads=t.num_attention_heads,
-                      num_key_value_heads=t.num_key_value_heads, rms_norm_eps=t.rms_norm_eps,
-                      max_position_embeddings=t.max_position_embeddings, rope_theta=rope_theta(t),
-                      bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id, pad_token_id=t.pad_token_id,
-                      tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
+    cfg = LlamaConfig(
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=len(layer_ids),
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        rms_norm_eps=t.rms_norm_eps,
+        max_position_embeddings=t.max_position_embeddings,
+        rope_theta=rope_theta(t),
+        bos_token_id=t.bos_token_id,
+        eos_token_id=t.eos_token_id,
+        pad_token_id=t.pad_token_id,
+        tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
+    )
     draft = LlamaForCausalLM(cfg).to(next(target.parameters()).device)
     with torch.no_grad():
         for mine, src in zip(draft.model.layers, layer_ids):
@@ -58,8 +68,9 @@ def draft_loss(draft: nn.Module, frozen: FrozenHead, batch: DistillSet) -> torch
 
 
 @torch.no_grad()
-def draft_depth_hits(draft: nn.Module, frozen: FrozenHead, data: DistillSet, depth: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_depth_hits(
+    draft: nn.Module, frozen: FrozenHead, data: DistillSet, depth: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """With the target's tokens as context, depth k of the chain rooted at j is the draft's guess at j + k."""
     greedy = frozen.logits(data.features).argmax(-1)
     hidden = draft.model(input_ids=data.tokens, use_cache=False).last_hidden_state
@@ -67,16 +78,22 @@ def draft_depth_hits(draft: nn.Module, frozen: FrozenHead, data: DistillSet, dep
     width = greedy.shape[1]
     correct = torch.zeros((*greedy.shape, depth), dtype=torch.bool, device=greedy.device)
     for k in range(depth):
-        correct[:, : width - 1 - k, k] = hit[:, 1 + k:]
+        correct[:, : width - 1 - k, k] = hit[:, 1 + k :]
     return correct, depth_valid(data.lengths, data.prompt_lens, width, depth)
 
 
 def save_draft_model(draft: nn.Module, folder: Path, source_layers: tuple[int, ...], dtype: torch.dtype) -> None:
-    tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in draft.state_dict().items()
-               if k not in SHARED_TENSORS}
+    tensors = {
+        k: v.detach().to(dtype).contiguous().cpu() for k, v in draft.state_dict().items() if k not in SHARED_TENSORS
+    }
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     config = draft.config.to_dict()
-    config.update({"rope_theta": draft.config.rope_parameters["rope_theta"], "torch_dtype": str(dtype).removeprefix("torch."),
-                   "specpipe_shared_from_target": list(SHARED_TENSORS),
-                   "specpipe_initialised_from_target_layers": list(source_layers)})
+    config.update(
+        {
+            "rope_theta": draft.config.rope_parameters["rope_theta"],
+            "torch_dtype": str(dtype).removeprefix("torch."),
+            "specpipe_shared_from_target": list(SHARED_TENSORS),
+            "specpipe_initialised_from_target_layers": list(source_layers),
+        }
+    )
     (folder / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")

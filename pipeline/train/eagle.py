@@ -50,7 +50,9 @@ class EagleDraft(nn.Module):
         self.fc = nn.Linear(2 * shape.hidden, shape.hidden, bias=True)
         self.layers = nn.ModuleList([EagleLayer(shape)])
 
-    def unroll(self, frozen: FrozenHead, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def unroll(
+        self, frozen: FrozenHead, tokens: torch.Tensor, features: torch.Tensor, steps: int
+    ) -> list[torch.Tensor]:
         """Outputs h of each unrolled step; step s at position p belongs to the chain rooted at p - s."""
         next_embed = frozen.embed_tokens(F.pad(tokens[:, 1:], (0, 1)))
         cos, sin = rope_tables(tokens.shape[1], self.shape.head_dim, self.shape.rope_theta, tokens.device)
@@ -66,8 +68,9 @@ class EagleDraft(nn.Module):
         return outs
 
 
-def unrolled_loss(outs: list[torch.Tensor], batch: DistillSet,
-                  step_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def unrolled_loss(
+    outs: list[torch.Tensor], batch: DistillSet, step_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """Step-weighted mean over unrolled steps of step_loss(draft outputs, teacher features next
     position), both taken at the positions that step trains."""
     teacher = batch.features[:, 1:]
@@ -80,20 +83,23 @@ def unrolled_loss(outs: list[torch.Tensor], batch: DistillSet,
 
 def eagle_loss(draft: EagleDraft, frozen: FrozenHead, batch: DistillSet, steps: int) -> torch.Tensor:
     def step_loss(pred: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-        return feature_regression(pred, want) + TOKEN_LOSS_WEIGHT * soft_cross_entropy(frozen.logits(pred),
-                                                                                     frozen.logits(want))
+        return feature_regression(pred, want) + TOKEN_LOSS_WEIGHT * soft_cross_entropy(
+            frozen.logits(pred), frozen.logits(want)
+        )
 
     return unrolled_loss(draft.unroll(frozen, batch.tokens, batch.features, steps), batch, step_loss)
 
 
 @torch.no_grad()
-def eagle_depth_hits(draft: EagleDraft, frozen: FrozenHead, data: DistillSet, depth: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def eagle_depth_hits(
+    draft: EagleDraft, frozen: FrozenHead, data: DistillSet, depth: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     return unrolled_depth_hits(draft.unroll(frozen, data.tokens, data.features, depth), frozen, data, lambda h: h)
 
 
-def unrolled_depth_hits(outs: list[torch.Tensor], frozen: FrozenHead, data: DistillSet, to_logit_input
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def unrolled_depth_hits(
+    outs: list[torch.Tensor], frozen: FrozenHead, data: DistillSet, to_logit_input
+) -> tuple[torch.Tensor, torch.Tensor]:
     """correct[n, j, s]: step s of the chain rooted at j (run at position j + s) hits the target's token."""
     greedy = frozen.logits(data.features).argmax(-1)  # the target's token for position p + 1
     width = greedy.shape[1]
@@ -105,12 +111,25 @@ def unrolled_depth_hits(outs: list[torch.Tensor], frozen: FrozenHead, data: Dist
 
 
 def eagle_config(shape: LayerShape, vocab_size: int, max_positions: int) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.hidden,
-            "num_hidden_layers": 1, "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
-            "head_dim": shape.head_dim, "intermediate_size": shape.intermediate, "hidden_act": "silu",
-            "vocab_size": vocab_size, "rms_norm_eps": shape.rms_eps, "rope_theta": shape.rope_theta,
-            "rope_scaling": None, "max_position_embeddings": max_positions, "attention_bias": False,
-            "tie_word_embeddings": False, "torch_dtype": "float16"}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shape.hidden,
+        "num_hidden_layers": 1,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "intermediate_size": shape.intermediate,
+        "hidden_act": "silu",
+        "vocab_size": vocab_size,
+        "rms_norm_eps": shape.rms_eps,
+        "rope_theta": shape.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": max_positions,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+    }
 
 
 def save_eagle(draft: EagleDraft, folder: Path, vocab_size: int, max_positions: int, dtype: torch.dtype) -> None:

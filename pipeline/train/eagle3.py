@@ -83,21 +83,35 @@ class Eagle3Draft(nn.Module):
 
 def eagle3_loss(draft: Eagle3Draft, frozen: FrozenHead, batch: DistillSet, steps: int) -> torch.Tensor:
     outs = draft.unroll(frozen, batch.tokens, batch.aux, steps)
-    return unrolled_loss(outs, batch, lambda h, teacher: soft_cross_entropy(frozen.logits(draft.norm(h)),
-                                                                           frozen.logits(teacher)))
+    return unrolled_loss(
+        outs, batch, lambda h, teacher: soft_cross_entropy(frozen.logits(draft.norm(h)), frozen.logits(teacher))
+    )
 
 
 @torch.no_grad()
-def eagle3_depth_hits(draft: Eagle3Draft, frozen: FrozenHead, data: DistillSet, depth: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def eagle3_depth_hits(
+    draft: Eagle3Draft, frozen: FrozenHead, data: DistillSet, depth: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     return unrolled_depth_hits(draft.unroll(frozen, data.tokens, data.aux, depth), frozen, data, draft.norm)
 
 
-def save_eagle3(draft: Eagle3Draft, folder: Path, vocab_size: int, max_positions: int, fused_layers: tuple[int, ...],
-                dtype: torch.dtype) -> None:
+def save_eagle3(
+    draft: Eagle3Draft,
+    folder: Path,
+    vocab_size: int,
+    max_positions: int,
+    fused_layers: tuple[int, ...],
+    dtype: torch.dtype,
+) -> None:
     tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in draft.state_dict().items()}
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     config = eagle_config(draft.shape, vocab_size, max_positions)
-    config.update({"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": vocab_size,
-                   "fused_target_layer_outputs": list(fused_layers), "lm_head_omitted": True})
+    config.update(
+        {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": vocab_size,
+            "fused_target_layer_outputs": list(fused_layers),
+            "lm_head_omitted": True,
+        }
+    )
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -30,9 +30,12 @@ def chain_stats(correct: torch.Tensor, valid: torch.Tensor) -> ChainStats:
     for k in range(depth):
         reached = leading[:, k - 1].sum() if k else torch.tensor(float(len(hits)))
         cond.append(float(leading[:, k].sum() / reached.clamp(min=1)))
-    return ChainStats(top1_per_depth=[round(float(v), 4) for v in hits.mean(0)],
-                      conditional_per_depth=[round(v, 4) for v in cond],
-                      mean_accept_length=round(1.0 + float(leading.sum(-1).mean()), 4), roots=len(hits))
+    return ChainStats(
+        top1_per_depth=[round(float(v), 4) for v in hits.mean(0)],
+        conditional_per_depth=[round(v, 4) for v in cond],
+        mean_accept_length=round(1.0 + float(leading.sum(-1).mean()), 4),
+        roots=len(hits),
+    )
 
 
 def depth_valid(lengths: torch.Tensor, prompt_lens: torch.Tensor, width: int, depth: int) -> torch.Tensor:
@@ -46,7 +49,9 @@ def format_table(rows: dict[str, ChainStats]) -> str:
     head = f"{'draft':<14}{'mean acc len':>13}{'roots':>8}  " + " ".join(f"{'d' + str(k + 1):>6}" for k in range(depth))
     lines = [head, "-" * len(head)]
     for name, s in rows.items():
-        lines.append(f"{name:<14}{s.mean_accept_length:>13.3f}{s.roots:>8}  "
-                     + " ".join(f"{v:>6.3f}" for v in s.conditional_per_depth))
+        lines.append(
+            f"{name:<14}{s.mean_accept_length:>13.3f}{s.roots:>8}  "
+            + " ".join(f"{v:>6.3f}" for v in s.conditional_per_depth)
+        )
     lines.append("d<k>: top-1 acceptance at chain depth k given all shallower depths accepted (held-out)")
     return "\n".join(lines)

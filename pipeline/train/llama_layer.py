@@ -106,8 +106,14 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)
         return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> torch.Tensor:
         """Appends this step's keys/values to `keys`/`values` (earlier steps' are already there)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.shape.heads, self.shape.head_dim).transpose(1, 2)

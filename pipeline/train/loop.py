@@ -49,8 +49,14 @@ def lr_at(step: int, total: int, peak: float, time_fraction: float) -> float:
     return peak * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(params: list[torch.nn.Parameter], loss_fn: Callable[[DistillSet], torch.Tensor],
-          batches: Iterator[DistillSet], held_out: DistillSet, settings: TrainSettings, desc: str) -> TrainLog:
+def train(
+    params: list[torch.nn.Parameter],
+    loss_fn: Callable[[DistillSet], torch.Tensor],
+    batches: Iterator[DistillSet],
+    held_out: DistillSet,
+    settings: TrainSettings,
+    desc: str,
+) -> TrainLog:
     """Runs until `settings.steps` or `settings.time_budget_s`, the learning rate decaying towards whichever
     limit is nearer, so a run stopped by time still ends at its low learning rate."""
     opt = torch.optim.AdamW(params, lr=settings.lr, betas=BETAS, weight_decay=settings.weight_decay)
@@ -59,8 +65,7 @@ def train(params: list[torch.nn.Parameter], loss_fn: Callable[[DistillSet], torc
     bar = tqdm(range(settings.steps), desc=desc, unit="step")
     for step in bar:
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, settings.steps, settings.lr,
-                                (time.monotonic() - start) / settings.time_budget_s)
+            group["lr"] = lr_at(step, settings.steps, settings.lr, (time.monotonic() - start) / settings.time_budget_s)
         loss = loss_fn(next(batches))
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -11,8 +11,9 @@ def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tenso
     return cross_entropy_to(student_logits, torch.softmax(teacher_logits.float(), dim=-1))
 
 
-def cross_entropy_to(student_logits: torch.Tensor, teacher_probs: torch.Tensor, hard_weight: float = 0.0
-                     ) -> torch.Tensor:
+def cross_entropy_to(
+    student_logits: torch.Tensor, teacher_probs: torch.Tensor, hard_weight: float = 0.0
+) -> torch.Tensor:
     """soft_cross_entropy for a teacher distribution already computed, so several students can share one;
     hard_weight of it taken against the teacher's argmax alone instead."""
     log_q = F.log_softmax(student_logits.float(), dim=-1)
@@ -29,4 +30,4 @@ def feature_regression(predicted: torch.Tensor, target: torch.Tensor) -> torch.T
 
 def step_weights(steps: int, decay: float) -> list[float]:
     """decay ** s for unrolled step (or Medusa head) s: later steps matter less and are harder."""
-    return [decay ** s for s in range(steps)]
+    return [decay**s for s in range(steps)]

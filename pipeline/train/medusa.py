@@ -67,15 +67,22 @@ def medusa_depth_hits(heads: nn.ModuleList, frozen: FrozenHead, data: DistillSet
     correct = torch.zeros((*greedy.shape, len(heads)), dtype=torch.bool, device=greedy.device)
     for h, head in enumerate(heads):
         guess = frozen.logits(head(data.features)).argmax(-1)
-        correct[:, : width - 1 - h, h] = guess[:, : width - 1 - h] == greedy[:, 1 + h:]
+        correct[:, : width - 1 - h, h] = guess[:, : width - 1 - h] == greedy[:, 1 + h :]
     return correct, depth_valid(data.lengths, data.prompt_lens, width, len(heads))
 
 
-def save_medusa(heads: nn.ModuleList, folder: Path, base_model: str, num_layers: int, vocab_size: int,
-                dtype: torch.dtype) -> None:
+def save_medusa(
+    heads: nn.ModuleList, folder: Path, base_model: str, num_layers: int, vocab_size: int, dtype: torch.dtype
+) -> None:
     hidden = heads[0][0].linear.weight.shape[0]
     tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in heads.state_dict().items()}
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-    config = {"medusa_num_heads": len(heads), "medusa_num_layers": num_layers, "base_model_name_or_path": base_model,
-              "hidden_size": hidden, "vocab_size": vocab_size, "lm_head_omitted": True}
+    config = {
+        "medusa_num_heads": len(heads),
+        "medusa_num_layers": num_layers,
+        "base_model_name_or_path": base_model,
+        "hidden_size": hidden,
+        "vocab_size": vocab_size,
+        "lm_head_omitted": True,
+    }
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -40,9 +40,14 @@ class TreeFit:
     held_out_rows: int
 
     def report(self, **settings: Any) -> dict[str, Any]:
-        return {"choices": self.choices, "expected_acceptance": self.expected_acceptance,
-                "mc_sim_7b_63_expected_acceptance": self.default_expected_acceptance, "roots": self.roots,
-                "held_out_rows": self.held_out_rows, **settings}
+        return {
+            "choices": self.choices,
+            "expected_acceptance": self.expected_acceptance,
+            "mc_sim_7b_63_expected_acceptance": self.default_expected_acceptance,
+            "roots": self.roots,
+            "held_out_rows": self.held_out_rows,
+            **settings,
+        }
 
 
 @torch.no_grad()
@@ -59,7 +64,7 @@ def head_ranks(target: nn.Module, heads: nn.ModuleList, data: DistillSet, max_ra
         ranks = torch.full((*greedy.shape, len(heads)), max_rank, dtype=torch.long, device=device)
         for h, head in enumerate(heads):
             logits = frozen.logits(head(features))[:, : width - 1 - h]
-            true = greedy[:, 1 + h:, None]
+            true = greedy[:, 1 + h :, None]
             ranks[:, : width - 1 - h, h] = (logits > logits.gather(-1, true)).sum(-1).clamp(max=max_rank)
         valid = depth_valid(batch.lengths, batch.prompt_lens, width, len(heads)).to(device)
         out.append(ranks[valid].cpu())
@@ -76,8 +81,9 @@ def load_heads(heads_dir: Path, device: str) -> nn.ModuleList:
     return heads.to(device).eval()
 
 
-def fit_tree(heads_dir: Path, gguf: Path, tokens: str, held_out: int, num_paths: int, max_rank: int,
-             device: str) -> TreeFit:
+def fit_tree(
+    heads_dir: Path, gguf: Path, tokens: str, held_out: int, num_paths: int, max_rank: int, device: str
+) -> TreeFit:
     """Rank the heads' guesses on the token file's first `held_out` rows and keep the best `num_paths` paths."""
     if num_paths < 1 or max_rank < 1:
         raise UserError("--num-paths and --max-rank must be at least 1")

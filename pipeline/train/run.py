@@ -72,8 +72,9 @@ class MethodResult:
     error: str = ""
 
 
-def distill(target: nn.Module, prompts: PromptSet, s: RunSettings, out: Path,
-            tokens_file: Path | None) -> tuple[DistillSet, DistillSet, dict]:
+def distill(
+    target: nn.Module, prompts: PromptSet, s: RunSettings, out: Path, tokens_file: Path | None
+) -> tuple[DistillSet, DistillSet, dict]:
     """(train, held-out) sequences with features, on the target's device. The teacher-forced rows join
     the train set only: the held-out set stays the target's own text, what the drafts meet when serving.
 
@@ -82,8 +83,9 @@ def distill(target: nn.Module, prompts: PromptSet, s: RunSettings, out: Path,
     now, greedily, so a bigger prompt set extends an old file instead of generating it all again."""
     t0 = time.monotonic()
     held = len(prompts.held_out)
-    gen = lambda rows, budget, t=0.0: continuations(target, rows, s.max_new_tokens, s.gen_batch,
-                                                     prompts.eos_token_id, prompts.pad_token_id, budget, t)
+    gen = lambda rows, budget, t=0.0: continuations(
+        target, rows, s.max_new_tokens, s.gen_batch, prompts.eos_token_id, prompts.pad_token_id, budget, t
+    )
     if tokens_file is not None:
         seqs, lens = read_tokens(tokens_file)
         covered = {tuple(q[:n]) for q, n in zip(seqs[held:], lens[held:])}
@@ -101,28 +103,37 @@ def distill(target: nn.Module, prompts: PromptSet, s: RunSettings, out: Path,
                 seqs, lens = seqs + more, lens + more_lens
         DistillSet.from_sequences(seqs, lens, prompts.pad_token_id).save_tokens(out / TOKENS_FILE)
     wanted = {tuple(p) for p in prompts.train}  # a tokens file may hold more (--tiny uses a few prompts)
-    train_rows = [i for i in range(held, len(seqs)) if tuple(seqs[i][:lens[i]]) in wanted]
-    pick = lambda rows: DistillSet.from_sequences([seqs[i] for i in rows], [lens[i] for i in rows],
-                                                  prompts.pad_token_id)
+    train_rows = [i for i in range(held, len(seqs)) if tuple(seqs[i][: lens[i]]) in wanted]
+    pick = lambda rows: DistillSet.from_sequences(
+        [seqs[i] for i in rows], [lens[i] for i in rows], prompts.pad_token_id
+    )
     held_set, self_train = pick(range(held)), pick(train_rows)
-    forced = DistillSet.from_sequences(prompts.teacher_forced, prompts.teacher_forced_prompt_lens,
-                                       prompts.pad_token_id) if prompts.teacher_forced else None
+    forced = (
+        DistillSet.from_sequences(prompts.teacher_forced, prompts.teacher_forced_prompt_lens, prompts.pad_token_id)
+        if prompts.teacher_forced
+        else None
+    )
     train_set = DistillSet.concat([self_train, forced], prompts.pad_token_id) if forced else self_train
     gen_s = time.monotonic() - t0
     aux = eagle3_layers(target.config.num_hidden_layers) if "eagle3" in s.methods else ()
     device = next(target.parameters()).device
     for d in (held_set, train_set):
         attach_features(d, target, aux, s.feature_batch, torch.float32, AUX_DTYPE)
-    stats = {"train_sequences": len(train_set.lengths), "held_out_sequences": len(held_set.lengths),
-             "train_tokens": train_set.num_tokens, "train_generated_tokens": self_train.num_generated,
-             "train_self_distilled_sequences": len(self_train.lengths),
-             "train_self_distilled_tokens": self_train.num_tokens,
-             "train_teacher_forced_sequences": len(forced.lengths) if forced else 0,
-             "train_teacher_forced_tokens": forced.num_tokens if forced else 0,
-             "train_teacher_forced_reply_tokens": forced.num_generated if forced else 0,
-             "train_width": int(train_set.tokens.shape[1]),
-             "held_out_tokens": held_set.num_tokens, "generate_seconds": round(gen_s, 1),
-             "features_seconds": round(time.monotonic() - t0 - gen_s, 1)}
+    stats = {
+        "train_sequences": len(train_set.lengths),
+        "held_out_sequences": len(held_set.lengths),
+        "train_tokens": train_set.num_tokens,
+        "train_generated_tokens": self_train.num_generated,
+        "train_self_distilled_sequences": len(self_train.lengths),
+        "train_self_distilled_tokens": self_train.num_tokens,
+        "train_teacher_forced_sequences": len(forced.lengths) if forced else 0,
+        "train_teacher_forced_tokens": forced.num_tokens if forced else 0,
+        "train_teacher_forced_reply_tokens": forced.num_generated if forced else 0,
+        "train_width": int(train_set.tokens.shape[1]),
+        "held_out_tokens": held_set.num_tokens,
+        "generate_seconds": round(gen_s, 1),
+        "features_seconds": round(time.monotonic() - t0 - gen_s, 1),
+    }
     return train_set.to(str(device)), held_set.to(str(device)), stats
 
 
@@ -136,8 +147,9 @@ def mixed_precision(device: str):
         yield
 
 
-def chunked_chain(hits_fn: Callable[[DistillSet], tuple[torch.Tensor, torch.Tensor]], data: DistillSet,
-                  rows: int) -> ChainStats:
+def chunked_chain(
+    hits_fn: Callable[[DistillSet], tuple[torch.Tensor, torch.Tensor]], data: DistillSet, rows: int
+) -> ChainStats:
     correct, valid = [], []
     for lo in range(0, len(data.lengths), rows):
         c, v = hits_fn(data.subset(torch.arange(lo, min(lo + rows, len(data.lengths)), device=data.lengths.device)))
@@ -154,25 +166,41 @@ def build_method(method: str, target: nn.Module, frozen: FrozenHead, s: RunSetti
     last_layer = target.model.layers[target.config.num_hidden_layers - 1]
     if method == "medusa":
         m = medusa.build_heads(shape.hidden, s.medusa_heads, s.medusa_layers).to(device)
-        return (m, list(m.parameters()), lambda b: medusa.medusa_loss(m, frozen, b, s.medusa_hard_weight),
-                lambda d: medusa.medusa_depth_hits(m, frozen, d),
-                lambda f: medusa.save_medusa(m, f, s.base_model, s.medusa_layers, vocab, SAVE_DTYPE))
+        return (
+            m,
+            list(m.parameters()),
+            lambda b: medusa.medusa_loss(m, frozen, b, s.medusa_hard_weight),
+            lambda d: medusa.medusa_depth_hits(m, frozen, d),
+            lambda f: medusa.save_medusa(m, f, s.base_model, s.medusa_layers, vocab, SAVE_DTYPE),
+        )
     if method == "eagle":
         m = eagle.EagleDraft(shape).to(device)  # random init: the target's layers write far larger values
-        return (m, list(m.parameters()), lambda b: eagle.eagle_loss(m, frozen, b, s.eagle_steps),
-                lambda d: eagle.eagle_depth_hits(m, frozen, d, EVAL_DEPTH),
-                lambda f: eagle.save_eagle(m, f, vocab, max_pos, SAVE_DTYPE))
+        return (
+            m,
+            list(m.parameters()),
+            lambda b: eagle.eagle_loss(m, frozen, b, s.eagle_steps),
+            lambda d: eagle.eagle_depth_hits(m, frozen, d, EVAL_DEPTH),
+            lambda f: eagle.save_eagle(m, f, vocab, max_pos, SAVE_DTYPE),
+        )
     if method == "eagle3":
         m = eagle3.Eagle3Draft(shape).to(device)
         m.init_from(last_layer, target.model.norm)
         fused = eagle3_layers(target.config.num_hidden_layers)
-        return (m, list(m.parameters()), lambda b: eagle3.eagle3_loss(m, frozen, b, s.eagle3_steps),
-                lambda d: eagle3.eagle3_depth_hits(m, frozen, d, EVAL_DEPTH),
-                lambda f: eagle3.save_eagle3(m, f, vocab, max_pos, fused, SAVE_DTYPE))
+        return (
+            m,
+            list(m.parameters()),
+            lambda b: eagle3.eagle3_loss(m, frozen, b, s.eagle3_steps),
+            lambda d: eagle3.eagle3_depth_hits(m, frozen, d, EVAL_DEPTH),
+            lambda f: eagle3.save_eagle3(m, f, vocab, max_pos, fused, SAVE_DTYPE),
+        )
     m = draft_model.build_draft_model(target, s.draft_layers)
-    return (m, draft_model.trainable(m), lambda b: draft_model.draft_loss(m, frozen, b),
-            lambda d: draft_model.draft_depth_hits(m, frozen, d, EVAL_DEPTH),
-            lambda f: draft_model.save_draft_model(m, f, s.draft_layers, SAVE_DTYPE))
+    return (
+        m,
+        draft_model.trainable(m),
+        lambda b: draft_model.draft_loss(m, frozen, b),
+        lambda d: draft_model.draft_depth_hits(m, frozen, d, EVAL_DEPTH),
+        lambda f: draft_model.save_draft_model(m, f, s.draft_layers, SAVE_DTYPE),
+    )
 
 
 WEIGHT_FILES = {"medusa": medusa.WEIGHTS_FILE, "eagle": eagle.WEIGHTS_FILE, "eagle3": eagle3.WEIGHTS_FILE}
@@ -184,14 +212,18 @@ def load_init(method: str, module: nn.Module, folder: Path) -> None:
         raise UserError(f"--init-from {method}=...: only {', '.join(WEIGHT_FILES)} drafts can be continued")
     path = folder / WEIGHT_FILES[method]
     if not path.is_file():
-        raise UserError(f"--init-from {method}={folder}: no {WEIGHT_FILES[method]} there; pass a folder this "
-                        f"script wrote (for example drafts/{FOLDERS[method]})")
+        raise UserError(
+            f"--init-from {method}={folder}: no {WEIGHT_FILES[method]} there; pass a folder this "
+            f"script wrote (for example drafts/{FOLDERS[method]})"
+        )
     saved = load_file(str(path))
     want = module.state_dict()
     wrong = sorted(set(saved) ^ set(want)) + [k for k in saved if k in want and saved[k].shape != want[k].shape]
     if wrong:
-        raise UserError(f"--init-from {method}={folder}: its tensors do not fit this run's draft (first: {wrong[0]}); "
-                        "train the same shape (for Medusa, --medusa-layers as in its config.json)")
+        raise UserError(
+            f"--init-from {method}={folder}: its tensors do not fit this run's draft (first: {wrong[0]}); "
+            "train the same shape (for Medusa, --medusa-layers as in its config.json)"
+        )
     module.load_state_dict(saved)
 
 
@@ -202,8 +234,16 @@ def pack(folder: Path, pack_dir: Path) -> None:
         tar.add(folder, arcname=folder.name)
 
 
-def train_method(method: str, target: nn.Module, frozen: FrozenHead, train_set: DistillSet, held: DistillSet,
-                 s: RunSettings, out: Path, pack_dir: Path | None) -> MethodResult:
+def train_method(
+    method: str,
+    target: nn.Module,
+    frozen: FrozenHead,
+    train_set: DistillSet,
+    held: DistillSet,
+    s: RunSettings,
+    out: Path,
+    pack_dir: Path | None,
+) -> MethodResult:
     ts = s.train[method]
     device = str(next(target.parameters()).device)
     torch.manual_seed(ts.seed)
@@ -222,15 +262,22 @@ def train_method(method: str, target: nn.Module, frozen: FrozenHead, train_set: 
     with atomic_output_dir(out / FOLDERS[method]) as folder:
         save(folder)
         plot_log(log, f"{FOLDERS[method]}: loss", folder / PLOT_FILE)
-        (folder / LOG_FILE).write_text(json.dumps({"settings": asdict(ts), "log": asdict(log),
-                                                   "held_out_chain": asdict(chain)}) + "\n")
+        (folder / LOG_FILE).write_text(
+            json.dumps({"settings": asdict(ts), "log": asdict(log), "held_out_chain": asdict(chain)}) + "\n"
+        )
     if pack_dir is not None:
         pack(out / FOLDERS[method], pack_dir)
     return result
 
 
-def run_all(target: nn.Module, prompts: PromptSet, s: RunSettings, out: Path, tokens_file: Path | None = None,
-            pack_dir: Path | None = None) -> dict:
+def run_all(
+    target: nn.Module,
+    prompts: PromptSet,
+    s: RunSettings,
+    out: Path,
+    tokens_file: Path | None = None,
+    pack_dir: Path | None = None,
+) -> dict:
     """Trains every method in `s.methods`; writes one folder per method and summary.json under `out`."""
     torch.manual_seed(s.seed)
     out.mkdir(parents=True, exist_ok=True)

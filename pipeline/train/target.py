@@ -30,8 +30,9 @@ def load_target(gguf: Path, device: str) -> nn.Module:
 
     if not gguf.is_file():
         raise UserError(f"{gguf}: GGUF file not found; pass --gguf PATH")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                 quantization_config=GgufConfig(dequantize=True))
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
     model.requires_grad_(False)
     return model.to(device).eval()
 
@@ -42,9 +43,14 @@ def rope_theta(config) -> float:
 
 
 def layer_shape(config) -> LayerShape:
-    return LayerShape(hidden=config.hidden_size, heads=config.num_attention_heads,
-                      kv_heads=config.num_key_value_heads, intermediate=config.intermediate_size,
-                      rope_theta=rope_theta(config), rms_eps=config.rms_norm_eps)
+    return LayerShape(
+        hidden=config.hidden_size,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        intermediate=config.intermediate_size,
+        rope_theta=rope_theta(config),
+        rms_eps=config.rms_norm_eps,
+    )
 
 
 @dataclass(frozen=True)
@@ -71,16 +77,19 @@ def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
 
 
 @torch.no_grad()
-def extract_features(model: nn.Module, tokens: torch.Tensor, aux_layers: tuple[int, ...]
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def extract_features(
+    model: nn.Module, tokens: torch.Tensor, aux_layers: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Final features (after the final RMSNorm, the LM head's input) and, if asked, the
     concatenated pre-norm residual stream after each of `aux_layers`; right padding is harmless
     because attention is causal."""
     captured: dict[int, torch.Tensor] = {}
     hooks = []
     for idx in aux_layers:
+
         def keep(_module, _inputs, output, idx=idx):
             captured[idx] = output[0] if isinstance(output, tuple) else output
+
         hooks.append(model.model.layers[idx].register_forward_hook(keep))
     try:
         final = model.model(input_ids=tokens, use_cache=False).last_hidden_state

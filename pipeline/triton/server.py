@@ -76,8 +76,10 @@ def _pytriton_dir() -> Path:
 
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise UserError("tritonserver is not on PATH and nvidia-pytriton is not installed; run `make setup` "
-                        "or use the NGC tritonserver container")
+        raise UserError(
+            "tritonserver is not on PATH and nvidia-pytriton is not installed; run `make setup` "
+            "or use the NGC tritonserver container"
+        )
     return Path(spec.submodule_search_locations[0])
 
 
@@ -85,8 +87,10 @@ def _check_numpy() -> None:
     import numpy
 
     if int(numpy.__version__.split(".")[0]) >= 2:
-        raise UserError(f"numpy {numpy.__version__} is installed; the bundled Python backend needs numpy < 2 "
-                        "(pip install 'numpy<2')")
+        raise UserError(
+            f"numpy {numpy.__version__} is installed; the bundled Python backend needs numpy < 2 "
+            "(pip install 'numpy<2')"
+        )
 
 
 def bundled_backend_dir(pytriton: Path) -> Path:
@@ -94,8 +98,9 @@ def bundled_backend_dir(pytriton: Path) -> Path:
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = pytriton / "tritonserver" / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.is_file():
-        raise UserError(f"{stub.parent}: nvidia-pytriton ships no Python-backend stub for Python {version}; "
-                        "use Python 3.8-3.13")
+        raise UserError(
+            f"{stub.parent}: nvidia-pytriton ships no Python-backend stub for Python {version}; use Python 3.8-3.13"
+        )
     dest = BACKEND_CACHE / f"py{version}"
     python_dir = dest / "python"
     if not (python_dir / stub.name).is_file():
@@ -114,14 +119,23 @@ def bundled_backend_dir(pytriton: Path) -> Path:
 def server_command(repo: Path, ports: Ports, shm_prefix: str, log_verbose: int) -> tuple[list[str], dict[str, str]]:
     """The tritonserver command line and its environment."""
     env = dict(os.environ)
-    args = [f"--model-repository={repo}", f"--http-address={LOCALHOST}", f"--grpc-address={LOCALHOST}",
-            f"--metrics-address={LOCALHOST}", f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
-            f"--metrics-port={ports.metrics}", f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
-            f"--log-verbose={log_verbose}", f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
-            # Explicit control, every model loaded at start: the watchdog can reload a model whose stub died.
-            "--model-control-mode=explicit", "--load-model=*",
-            # Our configs are complete; auto-complete would start one more Python stub per model.
-            "--disable-auto-complete-config"]
+    args = [
+        f"--model-repository={repo}",
+        f"--http-address={LOCALHOST}",
+        f"--grpc-address={LOCALHOST}",
+        f"--metrics-address={LOCALHOST}",
+        f"--http-port={ports.http}",
+        f"--grpc-port={ports.grpc}",
+        f"--metrics-port={ports.metrics}",
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+        f"--log-verbose={log_verbose}",
+        f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+        # Explicit control, every model loaded at start: the watchdog can reload a model whose stub died.
+        "--model-control-mode=explicit",
+        "--load-model=*",
+        # Our configs are complete; auto-complete would start one more Python stub per model.
+        "--disable-auto-complete-config",
+    ]
     on_path = shutil.which("tritonserver")
     if on_path:
         return [on_path, *args], env
@@ -200,12 +214,19 @@ def _raise_stack_limit() -> None:
 class TritonServer:
     """A running tritonserver; logs go to `log` (stderr by default), the last lines are kept for errors."""
 
-    def __init__(self, repo: str | Path, ports: Ports | None = None, log: TextIO | None = None,
-                 ready_timeout_s: float = READY_TIMEOUT_S, log_verbose: int = 0):
+    def __init__(
+        self,
+        repo: str | Path,
+        ports: Ports | None = None,
+        log: TextIO | None = None,
+        ready_timeout_s: float = READY_TIMEOUT_S,
+        log_verbose: int = 0,
+    ):
         self.repo = Path(repo).resolve()
         if not (self.repo.is_dir() and any(self.repo.glob("*/config.pbtxt"))):
-            raise UserError(f"{repo}: not a Triton model repository (no */config.pbtxt); "
-                            "generate one with `specpipe triton-repo`")
+            raise UserError(
+                f"{repo}: not a Triton model repository (no */config.pbtxt); generate one with `specpipe triton-repo`"
+            )
         self.ports = ports or Ports()
         self.log = log or sys.stderr
         self.ready_timeout_s = ready_timeout_s
@@ -239,13 +260,22 @@ class TritonServer:
         for port in (self.ports.http, self.ports.grpc, self.ports.metrics):
             with socket.socket() as s:
                 if s.connect_ex((LOCALHOST, port)) == 0:
-                    raise UserError(f"port {port} on {LOCALHOST} is in use; stop that server or choose other "
-                                    "--http-port/--grpc-port/--metrics-port")
+                    raise UserError(
+                        f"port {port} on {LOCALHOST} is in use; stop that server or choose other "
+                        "--http-port/--grpc-port/--metrics-port"
+                    )
         cmd, env = server_command(self.repo, self.ports, self.shm_prefix, self.log_verbose)
         # A new session, so that stopping the server also stops its Python-backend stub processes.
-        self.process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, errors="replace", start_new_session=True,
-                                        preexec_fn=_raise_stack_limit)
+        self.process = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+            preexec_fn=_raise_stack_limit,
+        )
         self._log_thread = threading.Thread(target=self._forward_logs, daemon=True)
         self._log_thread.start()
         try:
@@ -290,8 +320,10 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 time.sleep(POLL_INTERVAL_S)  # let the log thread catch the last lines
-                raise UserError(f"tritonserver exited with code {self.process.returncode} while loading {self.repo}; "
-                                f"its last log lines: {self.tail_text()}")
+                raise UserError(
+                    f"tritonserver exited with code {self.process.returncode} while loading {self.repo}; "
+                    f"its last log lines: {self.tail_text()}"
+                )
             try:
                 with urllib.request.urlopen(url, timeout=POLL_INTERVAL_S * 4) as reply:
                     if reply.status == 200:
@@ -299,8 +331,10 @@ class TritonServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(POLL_INTERVAL_S)
-        raise UserError(f"tritonserver was not ready after {self.ready_timeout_s:.0f} s on {self.repo}; "
-                        f"its last log lines: {self.tail_text()}")
+        raise UserError(
+            f"tritonserver was not ready after {self.ready_timeout_s:.0f} s on {self.repo}; "
+            f"its last log lines: {self.tail_text()}"
+        )
 
     def wait(self) -> int:
         return self.process.wait()

@@ -58,13 +58,29 @@ POSTPROCESSING_OUTPUTS = (Tensor("OUTPUT", "STRING", (VARIABLE,)),)
 
 # --- tensorrt_llm: the engine model ---------------------------------------------------------
 _ENGINE_SCALARS = (
-    ("num_return_sequences", "INT32"), ("draft_acceptance_threshold", "FP32"), ("end_id", "INT32"),
-    ("pad_id", "INT32"), ("beam_width", "INT32"), ("temperature", "FP32"), ("runtime_top_k", "INT32"),
-    ("runtime_top_p", "FP32"), ("len_penalty", "FP32"), ("repetition_penalty", "FP32"), ("min_tokens", "INT32"),
-    ("presence_penalty", "FP32"), ("frequency_penalty", "FP32"), ("seed", "UINT64"),
-    ("return_log_probs", "BOOL"), ("return_context_logits", "BOOL"), ("return_generation_logits", "BOOL"),
-    ("return_perf_metrics", "BOOL"), ("return_num_input_tokens", "BOOL"), ("return_num_output_tokens", "BOOL"),
-    ("exclude_input_in_output", "BOOL"), ("stop", "BOOL"), ("streaming", "BOOL"),
+    ("num_return_sequences", "INT32"),
+    ("draft_acceptance_threshold", "FP32"),
+    ("end_id", "INT32"),
+    ("pad_id", "INT32"),
+    ("beam_width", "INT32"),
+    ("temperature", "FP32"),
+    ("runtime_top_k", "INT32"),
+    ("runtime_top_p", "FP32"),
+    ("len_penalty", "FP32"),
+    ("repetition_penalty", "FP32"),
+    ("min_tokens", "INT32"),
+    ("presence_penalty", "FP32"),
+    ("frequency_penalty", "FP32"),
+    ("seed", "UINT64"),
+    ("return_log_probs", "BOOL"),
+    ("return_context_logits", "BOOL"),
+    ("return_generation_logits", "BOOL"),
+    ("return_perf_metrics", "BOOL"),
+    ("return_num_input_tokens", "BOOL"),
+    ("return_num_output_tokens", "BOOL"),
+    ("exclude_input_in_output", "BOOL"),
+    ("stop", "BOOL"),
+    ("streaming", "BOOL"),
 )
 ENGINE_INPUTS = (
     _opt("input_ids", "INT32", (VARIABLE,), ragged=True),
@@ -91,15 +107,19 @@ PERF_METRIC_OUTPUTS = (
 )
 # Outputs the ensemble and BLS pass through unchanged from the engine model.
 PASSTHROUGH_OUTPUTS = (
-    Tensor("cum_log_probs", "FP32", (VARIABLE,)),
-    Tensor("output_log_probs", "FP32", (VARIABLE, VARIABLE)),
-    Tensor("context_logits", "FP32", (VARIABLE, VARIABLE)),
-    Tensor("generation_logits", "FP32", (VARIABLE, VARIABLE, VARIABLE)),
-    Tensor("batch_index", "INT32"),
-    Tensor("sequence_index", "INT32"),
-) + PERF_METRIC_OUTPUTS + (
-    Tensor("num_input_tokens", "INT32"),
-    Tensor("num_output_tokens", "INT32"),
+    (
+        Tensor("cum_log_probs", "FP32", (VARIABLE,)),
+        Tensor("output_log_probs", "FP32", (VARIABLE, VARIABLE)),
+        Tensor("context_logits", "FP32", (VARIABLE, VARIABLE)),
+        Tensor("generation_logits", "FP32", (VARIABLE, VARIABLE, VARIABLE)),
+        Tensor("batch_index", "INT32"),
+        Tensor("sequence_index", "INT32"),
+    )
+    + PERF_METRIC_OUTPUTS
+    + (
+        Tensor("num_input_tokens", "INT32"),
+        Tensor("num_output_tokens", "INT32"),
+    )
 )
 ENGINE_OUTPUTS = (
     Tensor("output_ids", "INT32", (VARIABLE, VARIABLE)),
@@ -109,25 +129,44 @@ ENGINE_OUTPUTS = (
 # --- ensemble / tensorrt_llm_bls: the client-facing models ----------------------------------
 # Client-facing input -> engine input, for inputs the ensemble hands straight to the engine.
 ENGINE_INPUT_OF = {
-    "num_return_sequences": "num_return_sequences", "exclude_input_in_output": "exclude_input_in_output",
-    "top_k": "runtime_top_k", "top_p": "runtime_top_p", "temperature": "temperature",
-    "length_penalty": "len_penalty", "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed",
-    "return_log_probs": "return_log_probs", "return_context_logits": "return_context_logits",
-    "return_generation_logits": "return_generation_logits", "return_perf_metrics": "return_perf_metrics",
-    "return_num_input_tokens": "return_num_input_tokens", "return_num_output_tokens": "return_num_output_tokens",
-    "beam_width": "beam_width", "stream": "streaming",
+    "num_return_sequences": "num_return_sequences",
+    "exclude_input_in_output": "exclude_input_in_output",
+    "top_k": "runtime_top_k",
+    "top_p": "runtime_top_p",
+    "temperature": "temperature",
+    "length_penalty": "len_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_tokens",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "seed": "seed",
+    "return_log_probs": "return_log_probs",
+    "return_context_logits": "return_context_logits",
+    "return_generation_logits": "return_generation_logits",
+    "return_perf_metrics": "return_perf_metrics",
+    "return_num_input_tokens": "return_num_input_tokens",
+    "return_num_output_tokens": "return_num_output_tokens",
+    "beam_width": "beam_width",
+    "stream": "streaming",
 }
 # Client-facing input -> preprocessing input.
 PREPROCESSING_INPUT_OF = {
-    "text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "bad_words": "BAD_WORDS_DICT",
-    "stop_words": "STOP_WORDS_DICT", "end_id": "END_ID", "pad_id": "PAD_ID",
+    "text_input": "QUERY",
+    "max_tokens": "REQUEST_OUTPUT_LEN",
+    "bad_words": "BAD_WORDS_DICT",
+    "stop_words": "STOP_WORDS_DICT",
+    "end_id": "END_ID",
+    "pad_id": "PAD_ID",
     "apply_chat_template": "APPLY_CHAT_TEMPLATE",
 }
 # Preprocessing output -> engine input.
 ENGINE_INPUT_FROM_PREPROCESSING = {
-    "INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
-    "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id", "STOP_WORDS_IDS": "stop_words_list",
+    "INPUT_ID": "input_ids",
+    "REQUEST_INPUT_LEN": "input_lengths",
+    "REQUEST_OUTPUT_LEN": "request_output_len",
+    "OUT_END_ID": "end_id",
+    "OUT_PAD_ID": "pad_id",
+    "STOP_WORDS_IDS": "stop_words_list",
     "BAD_WORDS_IDS": "bad_words_list",
 }
 

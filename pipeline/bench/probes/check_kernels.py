@@ -33,9 +33,19 @@ from pipeline.engine.tree import build_tree
 
 DEVICES = ("cuda", "cpu")
 # The small model of the whole-model checks.
-CONFIG = ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=6, num_kv_heads=2, head_size=16,
-                     intermediate_size=96, norm_epsilon=1e-5, rope_theta=1e4, rope_scaling=None,
-                     max_position_embeddings=128)
+CONFIG = ModelConfig(
+    vocab_size=97,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    head_size=16,
+    intermediate_size=96,
+    norm_epsilon=1e-5,
+    rope_theta=1e4,
+    rope_scaling=None,
+    max_position_embeddings=128,
+)
 # One layer whose norm weights serve the norm-inside-the-product checks.
 NORM_CONFIG = ModelConfig(64, 40, 1, 2, 1, 20, 24, 1e-5, 1e4, None, 64)
 
@@ -56,8 +66,11 @@ def check_gemv(device: str) -> None:
     from pipeline.engine.kernels.rotary import rope_store
 
     # Row counts and widths off the block sizes (8 rows, 1024 columns) exercise the masks.
-    for n, k, dtype, tol in ((100, 300, torch.bfloat16, 1e-2), (37, 1030, torch.float16, 1e-3),
-                             (16, 1024, torch.float32, 1e-6)):
+    for n, k, dtype, tol in (
+        (100, 300, torch.bfloat16, 1e-2),
+        (37, 1030, torch.float16, 1e-3),
+        (16, 1024, torch.float32, 1e-6),
+    ):
         w, x, r = torch.randn(n, k, dtype=dtype), torch.randn(k, dtype=dtype), torch.randn(n, dtype=dtype)
         close(gemv(x, w), w.double() @ x.double(), tol)
         close(gemv(x, w, residual=r), w.double() @ x.double() + r.double(), tol)
@@ -115,8 +128,22 @@ def check_rows(device: str) -> None:
         rotary = Rotary(dim, 1e4, None, 64)
         positions, slots = torch.randint(64, (m,)), torch.randperm(30)[:m]
         want_k, want_v, got_k, got_v = (torch.zeros(2, 2, 30, kv_heads, dim, dtype=half) for _ in range(4))
-        want = torch.stack([rope_store(gemv(x[t], w, g, 1e-5), rotary.cos, rotary.sin, positions[t:t + 1],
-                                       slots[t:t + 1], want_k, want_v, 1, heads) for t in range(m)])
+        want = torch.stack(
+            [
+                rope_store(
+                    gemv(x[t], w, g, 1e-5),
+                    rotary.cos,
+                    rotary.sin,
+                    positions[t : t + 1],
+                    slots[t : t + 1],
+                    want_k,
+                    want_v,
+                    1,
+                    heads,
+                )
+                for t in range(m)
+            ]
+        )
         got = rows_rope_store(x, w, g, 1e-5, rotary.cos, rotary.sin, positions, slots, got_k, got_v, 1, heads)
         close(got, want, 4 * tol)
         assert want_k[1, 0, slots].any() and not got_k[0].any() and not got_k[1, 1].any()
@@ -146,37 +173,64 @@ def check_attention(device: str) -> None:
     # A strided cache (slots x kv heads x dims), groups of 3, 4 and 1, texts of one chunk and of several
     # splits' worth, a text far shorter than the cache. Single tokens see every slot up to their own, first
     # on the CUDA-core kernel...
-    for heads, kv_heads, dim, slots, slot in ((6, 2, 16, 40, 39), (8, 2, 32, 150, 96), (4, 4, 64, 300, 0),
-                                              (6, 2, 16, 1100, 1042), (6, 2, 16, 1100, 40), (6, 2, 16, 40, 5)):
+    for heads, kv_heads, dim, slots, slot in (
+        (6, 2, 16, 40, 39),
+        (8, 2, 32, 150, 96),
+        (4, 4, 64, 300, 0),
+        (6, 2, 16, 1100, 1042),
+        (6, 2, 16, 1100, 40),
+        (6, 2, 16, 40, 5),
+    ):
         q = torch.randn(1, heads, dim, dtype=torch.bfloat16)
         cache = torch.randn(2, slots, kv_heads, dim, dtype=torch.bfloat16)
         k, v = cache[0], cache[1]
-        want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k[:slot + 1].transpose(0, 1)[None].float(),
-                                              v[:slot + 1].transpose(0, 1)[None].float(), enable_gqa=True)[0]
+        want = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None].float(),
+            k[: slot + 1].transpose(0, 1)[None].float(),
+            v[: slot + 1].transpose(0, 1)[None].float(),
+            enable_gqa=True,
+        )[0]
         close(slot_attention(q, k, v, torch.tensor([slot]), None, cuda_cores), want.transpose(0, 1), 2e-2)
     # ... and the same through the several tokens' tensor-core tiles (one_token_tiles, the engine's way).
     for heads, kv_heads, dim, slots, slot in ((6, 2, 16, 40, 39), (9, 3, 64, 1100, 400), (4, 4, 64, 300, 0)):
         q, cache = torch.randn(1, heads, dim, dtype=half), torch.randn(2, slots, kv_heads, dim, dtype=half)
         k, v = cache[0], cache[1]
-        seen = [t[:slot + 1].transpose(0, 1)[None].float() for t in (k, v)]
+        seen = [t[: slot + 1].transpose(0, 1)[None].float() for t in (k, v)]
         want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), *seen, enable_gqa=True)[0]
         for tuning in (DEFAULT_TUNING, cuda_cores):
             close(slot_attention(q, k, v, torch.tensor([slot]), None, tuning), want.transpose(0, 1), 2 * tol)
     # Tree tokens see the text and what their row of the region allows, through tensor-core tiles (a single
     # token with a wider region, an EAGLE level of one node, too).
     for heads, kv_heads, dim, slots, length, tokens, region, dtype in (
-            (6, 2, 16, 300, 97, 5, 7, half), (8, 2, 32, 1100, 1040, 12, 12, torch.float32),
-            (4, 4, 64, 64, 0, 3, 3, half), (9, 3, 64, 2000, 33, 64, 64, torch.float32), (32, 8, 128, 322, 128, 64, 64, half),
-            (6, 2, 16, 300, 97, 1, 5, half), (4, 4, 64, 1100, 1040, 1, 9, torch.float32)):  # one draft node
-        q = torch.randn(tokens, heads + 2, dim, dtype=dtype)[:, 1:heads + 1]  # a QKV view, as in the engine
+        (6, 2, 16, 300, 97, 5, 7, half),
+        (8, 2, 32, 1100, 1040, 12, 12, torch.float32),
+        (4, 4, 64, 64, 0, 3, 3, half),
+        (9, 3, 64, 2000, 33, 64, 64, torch.float32),
+        (32, 8, 128, 322, 128, 64, 64, half),
+        (6, 2, 16, 300, 97, 1, 5, half),
+        (4, 4, 64, 1100, 1040, 1, 9, torch.float32),
+    ):  # one draft node
+        q = torch.randn(tokens, heads + 2, dim, dtype=dtype)[:, 1 : heads + 1]  # a QKV view, as in the engine
         cache = torch.randn(2, slots, kv_heads, dim, dtype=dtype)
         k, v = cache[0], cache[1]
         rows = torch.rand(tokens, region) < 0.4
         rows[torch.arange(tokens), torch.arange(tokens)] = True  # a token always sees itself
-        ctx = full_slot_context(KVCache(k, v), None, torch.tensor(length), torch.zeros(tokens), torch.zeros(tokens),
-                                rows, torch.arange(slots))
-        want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k.transpose(0, 1)[None].float(),
-                                              v.transpose(0, 1)[None].float(), attn_mask=ctx.mask[0], enable_gqa=True)[0]
+        ctx = full_slot_context(
+            KVCache(k, v),
+            None,
+            torch.tensor(length),
+            torch.zeros(tokens),
+            torch.zeros(tokens),
+            rows,
+            torch.arange(slots),
+        )
+        want = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None].float(),
+            k.transpose(0, 1)[None].float(),
+            v.transpose(0, 1)[None].float(),
+            attn_mask=ctx.mask[0],
+            enable_gqa=True,
+        )[0]
         close(slot_attention(q, k, v, torch.tensor(length), rows), want.transpose(0, 1), 2e-2)
     # A region row that hides a split's whole span (slots 1056-1087), against scores all near -160: the
     # hidden span must not lend the merge a peak that underflows every other span's weight.
@@ -185,8 +239,9 @@ def check_attention(device: str) -> None:
     rows = torch.ones(1, 48, dtype=torch.bool)
     rows[0, 16:] = False
     seen = torch.cat([torch.ones(1040, dtype=torch.bool), rows[0], torch.zeros(12, dtype=torch.bool)])
-    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                          attn_mask=seen[None])[0]
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=seen[None]
+    )[0]
     close(slot_attention(q, k, v, torch.tensor(1040), rows), want.transpose(0, 1), 1e-4)
 
 
@@ -203,16 +258,28 @@ def check_model(device: str) -> None:
     model = Transformer(CONFIG).to(torch.bfloat16)
     for p in model.parameters():
         p.normal_(0, 0.3)
-    assert attach(model, "fused", (device,), tuning=tuning) == {"gemv_layers": 2 * 4 + 1, "fused_layers": 2,
-                                                                "attention_layers": 2, "draft_topk": 0}
+    assert attach(model, "fused", (device,), tuning=tuning) == {
+        "gemv_layers": 2 * 4 + 1,
+        "fused_layers": 2,
+        "attention_layers": 2,
+        "draft_topk": 0,
+    }
     cache = model.new_cache(80)
     prompt = torch.randint(97, (1, 70), device=device)
     model(prompt, make_context(cache, model.rotary, 0, torch.arange(70), None))
     token = torch.tensor([[5]])
-    contexts = {"eager": make_context(cache, model.rotary, 70, torch.tensor([70]), None),
-                "graph": full_slot_context(cache, model.rotary, torch.tensor(70), torch.tensor([70]),
-                                           torch.tensor([70]), torch.ones(1, 1, dtype=torch.bool),
-                                           torch.arange(80))}
+    contexts = {
+        "eager": make_context(cache, model.rotary, 70, torch.tensor([70]), None),
+        "graph": full_slot_context(
+            cache,
+            model.rotary,
+            torch.tensor(70),
+            torch.tensor([70]),
+            torch.tensor([70]),
+            torch.ones(1, 1, dtype=torch.bool),
+            torch.arange(80),
+        ),
+    }
     for rope_in_gemv in (False, True):  # rotary and the cache write after the QKV GEMV, then in it (the default)
         variant = dataclasses.replace(tuning, rope_in_gemv=rope_in_gemv)
         attach(model, "fused", (device,), tuning=variant)
@@ -226,7 +293,9 @@ def check_model(device: str) -> None:
             close(got, want, 4e-2)  # as loose as the norm's: two bf16 residual sums and a norm apart
             close(written[0], cache.k[:, 0, 70], 3e-2)
             close(written[1], cache.v[:, 0, 70], 3e-2)
-        step = torch.compile(lambda t: model(t, contexts["graph"])[0], fullgraph=True)  # as the engine's graphs trace it
+        step = torch.compile(
+            lambda t: model(t, contexts["graph"])[0], fullgraph=True
+        )  # as the engine's graphs trace it
         close(step(token), want, 3e-2)
     attach(model, "fused", (device,), tuning=dataclasses.replace(tuning, gated_gemv=True))
     close(model(token, contexts["graph"])[0], want, 4e-2)  # SiLU-and-multiply inside the fc_gate GEMV: the same step
@@ -236,8 +305,15 @@ def check_model(device: str) -> None:
     cache = model.new_cache(80)
     model(prompt, make_context(cache, model.rotary, 0, torch.arange(70), None))
     rows = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    ctx = full_slot_context(cache, model.rotary, torch.tensor(70), torch.tensor([70, 71, 71, 72]), torch.arange(70, 74),
-                            rows, torch.arange(80))
+    ctx = full_slot_context(
+        cache,
+        model.rotary,
+        torch.tensor(70),
+        torch.tensor([70, 71, 71, 72]),
+        torch.arange(70, 74),
+        rows,
+        torch.arange(80),
+    )
     got, _ = model(torch.tensor([[1, 2, 3, 4]]), ctx)
     attach(model, "off", (device,))
     want, _ = model(torch.tensor([[1, 2, 3, 4]]), ctx)
@@ -263,8 +339,10 @@ def check_eagle(device: str) -> None:
     passes: dict[str, list[torch.Tensor]] = {}
     level = "off"
     net.register_forward_hook(lambda module, args, out: passes[level].append(out.clone()))
-    for tree, dynamic, nodes in ((build_tree([[0], [1], [0, 0], [0, 0, 0]]), None, 4),
-                                 (None, DynamicTreeConfig(top_k=3, depth=3, max_non_leaves_per_layer=2), 6)):
+    for tree, dynamic, nodes in (
+        (build_tree([[0], [1], [0, 0], [0, 0, 0]]), None, 4),
+        (None, DynamicTreeConfig(top_k=3, depth=3, max_non_leaves_per_layer=2), 6),
+    ):
         for level in ("off", "fused"):
             assert attach(net, level, (device,), tuning=tuning)["attention_layers"] == (level == "fused")
             passes[level] = []
@@ -286,8 +364,9 @@ def eagle_pair() -> tuple[Transformer, torch.nn.Module]:
     return target, net
 
 
-def generate_eagerly(target: Transformer, proposer, nodes: int,
-                     record: Callable[[torch.Tensor], None] | None = None) -> None:
+def generate_eagerly(
+    target: Transformer, proposer, nodes: int, record: Callable[[torch.Tensor], None] | None = None
+) -> None:
     """Ten tokens through an EAGLE engine without graphs or compiled steps (which would not call the hooks that
     record the passes); `record` gets each drafted tree's tokens."""
 
@@ -326,7 +405,7 @@ def check_topk(device: str) -> None:
     # The drafter's LM head + log-softmax + top-k in one kernel: rows up to a tile, vocabularies and
     # hidden sizes off the tiles, against the unfused ops; then dynamic trees drafted through it.
     for rows, vocab, hidden, k in ((1, 1000, 48, 8), (8, 700, 100, 4), (16, 300, 64, 10)):
-        w = (torch.randn(vocab, hidden) * hidden ** -0.5).to(half)
+        w = (torch.randn(vocab, hidden) * hidden**-0.5).to(half)
         h = (torch.randn(rows, hidden) * 3).to(half)
         logp, tok = lm_head_topk(h, w, k)
         want_logp, want_tok = F.log_softmax(F.linear(h.float(), w.float()), dim=-1).topk(k, dim=-1)
@@ -349,7 +428,9 @@ def check_topk(device: str) -> None:
     heads = medusa_heads(3, 1, CONFIG.hidden_size, CONFIG.vocab_size, "silu").float()
     for p in heads.parameters():
         p.normal_(0, 0.15)
-    medusa = MedusaProposer(heads, None, target.lm_head, DynamicTreeConfig(top_k=5, depth=3, max_non_leaves_per_layer=3), 9)
+    medusa = MedusaProposer(
+        heads, None, target.lm_head, DynamicTreeConfig(top_k=5, depth=3, max_non_leaves_per_layer=3), 9
+    )
     assert medusa.drafter == TORCH_TOPK  # CPU weights: torch's ops unless asked
     for trial in range(3):
         medusa.hidden.copy_(torch.randn_like(medusa.hidden) * 3)

@@ -43,8 +43,9 @@ STEP_GAP_US = 50.0  # a device gap longer than this is the host's (a read-back, 
 ROWS = 30
 
 
-def random_drafter(shape, device: torch.device, dtype: torch.dtype, kind: str,
-                   draft_vocab: int | None) -> EagleNet | Eagle3Net:
+def random_drafter(
+    shape, device: torch.device, dtype: torch.dtype, kind: str, draft_vocab: int | None
+) -> EagleNet | Eagle3Net:
     """EAGLE-2's drafter (the target's whole LM head) or EAGLE-3's (its own, over draft_vocab tokens)."""
     one_layer = replace(shape, num_layers=1)
     if kind == "eagle":
@@ -85,19 +86,24 @@ def profile_steps(engine: Engine, prompt: list[int], tokens: int) -> dict:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _, steps = timed(engine, prompt, tokens)
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
     gaps = [b.time_range.start - a.time_range.end for a, b in zip(kernels, kernels[1:])]
     per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in kernels:
         per_name[e.name][0] += 1
         per_name[e.name][1] += e.time_range.elapsed_us()
-    return {"steps": steps, "kernels": len(kernels) / steps,
-            "busy_us": sum(e.time_range.elapsed_us() for e in kernels) / steps,
-            "launch_gap_us": sum(g for g in gaps if 0 < g <= STEP_GAP_US) / steps,
-            "host_gap_us": sum(g for g in gaps if g > STEP_GAP_US) / steps,
-            "per_name": sorted(((n, c / steps, us / steps, us / c) for n, (c, us) in per_name.items()),
-                               key=lambda row: -row[2])}
+    return {
+        "steps": steps,
+        "kernels": len(kernels) / steps,
+        "busy_us": sum(e.time_range.elapsed_us() for e in kernels) / steps,
+        "launch_gap_us": sum(g for g in gaps if 0 < g <= STEP_GAP_US) / steps,
+        "host_gap_us": sum(g for g in gaps if g > STEP_GAP_US) / steps,
+        "per_name": sorted(
+            ((n, c / steps, us / steps, us / c) for n, (c, us) in per_name.items()), key=lambda row: -row[2]
+        ),
+    }
 
 
 def main() -> None:
@@ -108,13 +114,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--max-seq-len", type=int, default=1024,
-                    help="the engines' cache (make build-engines builds 1024): attention splits follow its size")
+    ap.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=1024,
+        help="the engines' cache (make build-engines builds 1024): attention splits follow its size",
+    )
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--nodes", type=int, default=63, help="draft tokens a tree keeps (max_draft_len)")
-    ap.add_argument("--draft", default="eagle", choices=("eagle", "eagle3"),
-                    help="EAGLE-2's drafter (the target's LM head) or EAGLE-3's (own LM head, --draft-vocab)")
+    ap.add_argument(
+        "--draft",
+        default="eagle",
+        choices=("eagle", "eagle3"),
+        help="EAGLE-2's drafter (the target's LM head) or EAGLE-3's (own LM head, --draft-vocab)",
+    )
     ap.add_argument("--draft-vocab", type=int, default=None, help="EAGLE-3: tokens of its LM head (default: all)")
     ap.add_argument("--acceptance", type=float, default=TRAINED_ACCEPTANCE)
     ap.add_argument("--profile", action="store_true")
@@ -142,9 +156,11 @@ def main() -> None:
 
     prompt = torch.randint(shape.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     slots = max(args.max_seq_len, args.prompt_tokens + args.tokens + 1)
-    spec = SpecConfig(mode="eagle", max_draft_len=args.nodes,
-                      dynamic_tree=DynamicTreeConfig(top_k=args.top_k, depth=args.depth,
-                                                     max_non_leaves_per_layer=args.top_k))
+    spec = SpecConfig(
+        mode="eagle",
+        max_draft_len=args.nodes,
+        dynamic_tree=DynamicTreeConfig(top_k=args.top_k, depth=args.depth, max_non_leaves_per_layer=args.top_k),
+    )
     limits = EngineLimits(1, args.prompt_tokens, slots, args.nodes)
     engines: dict[str, tuple[Engine, Engine]] = {}
     with torch.inference_mode():
@@ -162,7 +178,7 @@ def main() -> None:
             print(f"{name}: engines compiled and captured in {time.time() - start:.1f} s", flush=True)
         runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in variants}
         for r in range(args.rounds):
-            for name in (args.variants if r % 2 == 0 else args.variants[::-1]):
+            for name in args.variants if r % 2 == 0 else args.variants[::-1]:
                 use(variants[name])
                 eagle, plain = engines[name]
                 step, first = decode_ms(eagle, prompt, args.tokens)
@@ -178,19 +194,26 @@ def main() -> None:
 
     a = args.acceptance
     drafted = f"{args.draft} drafter" + (f" over {args.draft_vocab} tokens" if args.draft_vocab else "")
-    print(f"\n{args.shape} random weights, {dtype}, {drafted}, dynamic depth {args.depth} top-k {args.top_k} "
-          f"{args.nodes} nodes, {args.tokens} tokens after {args.prompt_tokens}, {args.rounds} rounds; "
-          f"at {a} tokens a step:")
+    print(
+        f"\n{args.shape} random weights, {dtype}, {drafted}, dynamic depth {args.depth} top-k {args.top_k} "
+        f"{args.nodes} nodes, {args.tokens} tokens after {args.prompt_tokens}, {args.rounds} rounds; "
+        f"at {a} tokens a step:"
+    )
     print(f"{'ms/step':>8} {'1-token ms':>10} {'plain ms':>8} {'tok/s':>7} {'x plain':>7}  variant")
     for name, rows in runs.items():
         step, first, plain_step = (statistics.median(r[i] for r in rows) for i in range(3))
         print(f"{step:8.3f} {first:10.2f} {plain_step:8.3f} {a / step * 1e3:7.0f} {a * plain_step / step:7.2f}  {name}")
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
-                                         "profiles": profiles}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "profiles": profiles}, indent=1
+            )
+        )
     for name, p in profiles.items():
-        print(f"\n{name}: {p['kernels']:.0f} kernels, busy {p['busy_us']:.0f} us, "
-              f"launch gaps {p['launch_gap_us']:.0f} us, host gaps {p['host_gap_us']:.0f} us a step ({p['steps']} steps)")
+        print(
+            f"\n{name}: {p['kernels']:.0f} kernels, busy {p['busy_us']:.0f} us, "
+            f"launch gaps {p['launch_gap_us']:.0f} us, host gaps {p['host_gap_us']:.0f} us a step ({p['steps']} steps)"
+        )
         print(f"  {'kernel':<78} {'calls':>6} {'us/step':>8} {'us/call':>8}")
         for kernel, calls, us, per in p["per_name"][:ROWS]:
             print(f"  {kernel[:78]:<78} {calls:6.1f} {us:8.1f} {per:8.2f}")

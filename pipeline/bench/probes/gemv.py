@@ -23,13 +23,23 @@ from pipeline.engine.kernels.gemv import _gemv_kernel
 from pipeline.engine.kernels.tuning import DEFAULT_TUNING
 
 # name: (rows, columns, products per token, the variant a fused decoder layer uses)
-SHAPES = {"qkv": (6144, 4096, 32, "norm"), "o": (4096, 4096, 32, "residual"),
-          "gate_up": (28672, 4096, 32, "norm"), "down": (4096, 14336, 32, "residual"),
-          "lm_head": (128256, 4096, 1, "plain")}
-MODEL_SHAPES = {"llama3-8b": SHAPES,
-                "smollm2": {"qkv": (960, 576, 30, "norm"), "o": (576, 576, 30, "residual"),
-                            "gate_up": (3072, 576, 30, "norm"), "down": (576, 1536, 30, "residual"),
-                            "lm_head": (49152, 576, 1, "plain")}}
+SHAPES = {
+    "qkv": (6144, 4096, 32, "norm"),
+    "o": (4096, 4096, 32, "residual"),
+    "gate_up": (28672, 4096, 32, "norm"),
+    "down": (4096, 14336, 32, "residual"),
+    "lm_head": (128256, 4096, 1, "plain"),
+}
+MODEL_SHAPES = {
+    "llama3-8b": SHAPES,
+    "smollm2": {
+        "qkv": (960, 576, 30, "norm"),
+        "o": (576, 576, 30, "residual"),
+        "gate_up": (3072, 576, 30, "norm"),
+        "down": (576, 1536, 30, "residual"),
+        "lm_head": (49152, 576, 1, "plain"),
+    },
+}
 SWEEP = ((8, 1024, 8), (16, 1024, 8), (4, 1024, 4), (1, 1024, 4), (2, 1024, 4), (8, 512, 8))  # rows, columns, warps
 COPIES = 6
 REPS = 4 * COPIES
@@ -98,10 +108,25 @@ def main(shape: str) -> None:
             if fused and variant == "plain":
                 continue
             for rows, cols, warps in SWEEP:
+
                 def run(i, rows=rows, cols=cols, warps=warps, norm=norm, res=res):
-                    _gemv_kernel[(triton.cdiv(n, rows),)](ws[i % copies], x, y, g, r, n, k, EPS, NORM=norm,
-                                                          RESIDUAL=res, GATED=False, BLOCK_ROWS=rows, BLOCK_K=cols,
-                                                          num_warps=warps)
+                    _gemv_kernel[(triton.cdiv(n, rows),)](
+                        ws[i % copies],
+                        x,
+                        y,
+                        g,
+                        r,
+                        n,
+                        k,
+                        EPS,
+                        NORM=norm,
+                        RESIDUAL=res,
+                        GATED=False,
+                        BLOCK_ROWS=rows,
+                        BLOCK_K=cols,
+                        num_warps=warps,
+                    )
+
                 if not fused:
                     run(0)
                     err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
@@ -111,15 +136,19 @@ def main(shape: str) -> None:
             row = {key[1:]: t for key, t in results.items() if key[0] == fused}
             if row:
                 line += f"\n  {variant if fused else 'plain':<9}" + "  ".join(
-                    f"{c[0]},{c[1]},{c[2]}: {t:6.1f} ({gbs(t):4.0f})" for c, t in row.items())
+                    f"{c[0]},{c[1]},{c[2]}: {t:6.1f} ({gbs(t):4.0f})" for c, t in row.items()
+                )
         totals["cublas"] += per_token * t_cublas
         totals["triton"] += per_token * results[(False, *engine)]
         totals["fused"] += per_token * results.get((True, *engine), results[(False, *engine)])
         print(line, flush=True)
         ws = []  # free this shape's copies before the next shape's
     products = sum(per_token for _, _, per_token, _ in MODEL_SHAPES[shape].values())
-    print(f"per-token sum of the {products} products at the engine's config (ms):",
-          {k: round(v / 1e3, 3) for k, v in totals.items()}, f"probe {time.time() - t0:.0f} s")
+    print(
+        f"per-token sum of the {products} products at the engine's config (ms):",
+        {k: round(v / 1e3, 3) for k, v in totals.items()},
+        f"probe {time.time() - t0:.0f} s",
+    )
 
 
 if __name__ == "__main__":

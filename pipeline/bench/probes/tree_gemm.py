@@ -40,8 +40,9 @@ SWEEP = tuple(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4)))
 
 
 @triton.jit
-def _tree_gemm_kernel(x_ptr, w_ptr, y_ptr, m, n, k,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tree_gemm_kernel(
+    x_ptr, w_ptr, y_ptr, m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """y[m, n] = x[m, k] W[n, k]^T for m <= BLOCK_M: each program owns BLOCK_N weight rows and
     reads them once, for every row of x (x itself comes from L2)."""
     tokens = tl.arange(0, BLOCK_M)
@@ -50,20 +51,36 @@ def _tree_gemm_kernel(x_ptr, w_ptr, y_ptr, m, n, k,
     for k0 in range(0, k, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         inside = cols < k
-        x = tl.load(x_ptr + tokens[:, None] * k + cols[None, :], mask=(tokens < m)[:, None] & inside[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + tokens[:, None] * k + cols[None, :], mask=(tokens < m)[:, None] & inside[None, :], other=0.0
+        )
         w = tl.load(w_ptr + outs[:, None] * k + cols[None, :], mask=(outs < n)[:, None] & inside[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(y_ptr + tokens[:, None] * n + outs[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(tokens < m)[:, None] & (outs < n)[None, :])
+    tl.store(
+        y_ptr + tokens[:, None] * n + outs[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(tokens < m)[:, None] & (outs < n)[None, :],
+    )
 
 
-def tree_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int, block_k: int, warps: int,
-              stages: int) -> None:
+def tree_gemm(
+    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int, block_k: int, warps: int, stages: int
+) -> None:
     m, k = x.shape
     n = w.shape[0]
-    _tree_gemm_kernel[(triton.cdiv(n, block_n),)](x, w, y, m, n, k, BLOCK_M=max(16, triton.next_power_of_2(m)),
-                                                  BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                                                  num_stages=stages)
+    _tree_gemm_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        w,
+        y,
+        m,
+        n,
+        k,
+        BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
 def check() -> None:
@@ -107,9 +124,12 @@ def main() -> None:
             best = min(times, key=times.get)
             totals["cublas"] += per_pass * t_cublas
             totals["best tile per shape"] += per_pass * times[best]
-            print(f"{name:<8}{mb:7.1f} MB  cublas {t_cublas:6.1f} ({gbs(t_cublas):4.0f})  best {best}: "
-                  f"{times[best]:6.1f} ({gbs(times[best]):4.0f})  " + "  ".join(
-                      f"{','.join(map(str, c))}: {t:.1f}" for c, t in times.items()), flush=True)
+            print(
+                f"{name:<8}{mb:7.1f} MB  cublas {t_cublas:6.1f} ({gbs(t_cublas):4.0f})  best {best}: "
+                f"{times[best]:6.1f} ({gbs(times[best]):4.0f})  "
+                + "  ".join(f"{','.join(map(str, c))}: {t:.1f}" for c, t in times.items()),
+                flush=True,
+            )
             ws = []  # free this shape's copies before the next shape's
         single = min(per_config, key=per_config.get)
         totals[f"best single tile {single}"] = per_config[single]
@@ -118,8 +138,13 @@ def main() -> None:
 
 
 # rows_gemm tiles: BLOCK_N outputs, BLOCK_K columns, warps, stages
-MLP_SWEEP = (*itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4)), (32, 128, 8, 4), (64, 128, 8, 3),
-             (32, 64, 4, 6), (16, 128, 4, 6))
+MLP_SWEEP = (
+    *itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4)),
+    (32, 128, 8, 4),
+    (64, 128, 8, 3),
+    (32, 64, 4, 6),
+    (16, 128, 4, 6),
+)
 MLP_SHAPES = {"llama3-8b": (4096, 14336, 32), "smollm2": (576, 1536, 30)}  # hidden, intermediate, layers
 
 
@@ -134,7 +159,9 @@ def mlp(shape: str) -> None:
     down = [torch.randn(HIDDEN, INTERMEDIATE, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     mb = (up[0].numel() + down[0].numel()) * 2 / 1e6
 
-    def engine_mlp(x: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, r: torch.Tensor) -> torch.Tensor:  # the engine's unfused MLP as torch.compile traces it
+    def engine_mlp(
+        x: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, r: torch.Tensor
+    ) -> torch.Tensor:  # the engine's unfused MLP as torch.compile traces it
         fc, gate = F.linear(x, wu).chunk(2, dim=-1)
         return r + F.linear(F.silu(fc) * gate, wd)
 
@@ -147,16 +174,22 @@ def mlp(shape: str) -> None:
         t_base = timed(lambda i: compiled(x, up[i % copies], down[i % copies], r))
         t_up = timed(lambda i: F.linear(x, up[i % copies]))
         t_down = timed(lambda i: F.linear(g, down[i % copies]))
-        print(f"{m} rows: compiled cuBLAS MLP {t_base:.1f} us a layer ({mb / t_base * 1e3:.0f} GB/s); its GEMMs "
-              f"alone gate/up {t_up:.1f}, down {t_down:.1f}", flush=True)
+        print(
+            f"{m} rows: compiled cuBLAS MLP {t_base:.1f} us a layer ({mb / t_base * 1e3:.0f} GB/s); its GEMMs "
+            f"alone gate/up {t_up:.1f}, down {t_down:.1f}",
+            flush=True,
+        )
         best = {}
         for gated in (True, False):
             times = {}
             for tile in MLP_SWEEP:
                 field = "rows_gemm_gated_tile" if gated else "rows_gemm_tile"
                 tuning = dataclasses.replace(DEFAULT_TUNING, **{field: tile})
-                run = ((lambda i, t=tuning: rows_gemm(x, up[i % copies], gated=True, tuning=t)) if gated else
-                       (lambda i, t=tuning: rows_gemm(g, down[i % copies], residual=r, tuning=t)))
+                run = (
+                    (lambda i, t=tuning: rows_gemm(x, up[i % copies], gated=True, tuning=t))
+                    if gated
+                    else (lambda i, t=tuning: rows_gemm(g, down[i % copies], residual=r, tuning=t))
+                )
                 try:
                     run(0)
                 except triton.runtime.errors.OutOfResources:
@@ -164,8 +197,11 @@ def mlp(shape: str) -> None:
                 times[tile] = timed(run)
             top = sorted(times, key=times.get)[:4]
             best[gated] = top[0]
-            print(f"  rows_gemm {'gated gate/up' if gated else 'down + residual'}: " + "  ".join(
-                f"{','.join(map(str, c))}: {times[c]:.1f}" for c in top), flush=True)
+            print(
+                f"  rows_gemm {'gated gate/up' if gated else 'down + residual'}: "
+                + "  ".join(f"{','.join(map(str, c))}: {times[c]:.1f}" for c in top),
+                flush=True,
+            )
 
         def fused_mlp(i: int, tuning: KernelTuning) -> torch.Tensor:
             h = rows_gemm(x, up[i % copies], gated=True, tuning=tuning)
@@ -175,8 +211,11 @@ def mlp(shape: str) -> None:
         for label, tuning in (("best tiles", best_tuning), ("the engine's tiles", DEFAULT_TUNING)):
             err = ((fused_mlp(0, tuning).float() - want).abs().max() / want.abs().max()).item()
             t_fused = timed(lambda i, t=tuning: fused_mlp(i, t))
-            print(f"  two kernels, {label}: {t_fused:.1f} us a layer against {t_base:.1f} "
-                  f"({LAYERS * (t_base - t_fused):+.0f} us a step of {LAYERS} layers); max rel err {err:.1e}", flush=True)
+            print(
+                f"  two kernels, {label}: {t_fused:.1f} us a layer against {t_base:.1f} "
+                f"({LAYERS * (t_base - t_fused):+.0f} us a step of {LAYERS} layers); max rel err {err:.1e}",
+                flush=True,
+            )
     print(f"probe {time.time() - t0:.0f} s")
 
 
@@ -202,8 +241,12 @@ def layer(shape: str, tokens: int, wide_k: bool = False) -> None:
     t0 = time.time()
     bf = dict(device="cuda", dtype=torch.bfloat16)
     qkv_out = (heads + 2 * kv_heads) * head
-    weights = {"rope": (qkv_out, hidden), "output": (hidden, heads * head), "gated": (2 * inter, hidden),
-               "down": (hidden, inter)}
+    weights = {
+        "rope": (qkv_out, hidden),
+        "output": (hidden, heads * head),
+        "gated": (2 * inter, hidden),
+        "down": (hidden, inter),
+    }
     copies = {name: cold_copies(rows * cols * 2) for name, (rows, cols) in weights.items()}
     ws = {name: [torch.randn(*shape_, **bf) * 0.02 for _ in range(copies[name])] for name, shape_ in weights.items()}
     x, r, g = torch.randn(tokens, hidden, **bf), torch.randn(tokens, hidden, **bf), torch.randn(hidden, **bf)
@@ -213,11 +256,17 @@ def layer(shape: str, tokens: int, wide_k: bool = False) -> None:
     positions, slots = torch.arange(100, 100 + tokens, device="cuda"), torch.arange(100, 100 + tokens, device="cuda")
     k_cache, v_cache = (torch.zeros(1, 1, 1024, kv_heads, head, **bf) for _ in range(2))
     runs = {
-        "rope": (lambda w, t: rows_rope_store(x, w, g, 1e-5, cos, sin, positions, slots, k_cache, v_cache, 0, heads,
-                                              tuning=t), "rope", x),
+        "rope": (
+            lambda w, t: rows_rope_store(
+                x, w, g, 1e-5, cos, sin, positions, slots, k_cache, v_cache, 0, heads, tuning=t
+            ),
+            "rope",
+            x,
+        ),
         "output": (lambda w, t: rows_gemm(att, w, residual=r, tuning=t), "plain", att),
         "gated": (lambda w, t: rows_gemm(x, w, gated=True, norm=g, eps=1e-5, tuning=t), "gated", x),
-        "down": (lambda w, t: rows_gemm(h, w, residual=r, tuning=t), "plain", h)}
+        "down": (lambda w, t: rows_gemm(h, w, residual=r, tuning=t), "plain", h),
+    }
     best_sum, per_tile = 0.0, {}
     engine_tiles = {getattr(DEFAULT_TUNING, name) for name in TILE_NAMES.values()}
     sweep = (*sorted(engine_tiles), *WIDE_K_SWEEP) if wide_k else LAYER_SWEEP
@@ -236,8 +285,11 @@ def layer(shape: str, tokens: int, wide_k: bool = False) -> None:
             per_tile[kind][tile] += times[tile]
         top = sorted(times, key=times.get)[:6]
         best_sum += times[top[0]]
-        print(f"{name:<7} {weights[name]} x{n_copies} cuBLAS {t_cublas:5.1f} us; rows kernel: " + "  ".join(
-            f"{','.join(map(str, c))}: {times[c]:.1f}" for c in top), flush=True)
+        print(
+            f"{name:<7} {weights[name]} x{n_copies} cuBLAS {t_cublas:5.1f} us; rows kernel: "
+            + "  ".join(f"{','.join(map(str, c))}: {times[c]:.1f}" for c in top),
+            flush=True,
+        )
     best = {kind: min(tiles, key=tiles.get) for kind, tiles in per_tile.items()}
     for kind, tile in best.items():
         print(f"best {kind} tile over its products: {tile} {per_tile[kind][tile]:.1f} us")
@@ -250,11 +302,22 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="check the kernel's sums (CPU, TRITON_INTERPRET=1)")
     ap.add_argument("--mlp", action="store_true", help="a tree step's MLP: cuBLAS and inductor against rows_gemm")
-    ap.add_argument("--layer", type=int, metavar="TOKENS", help="a small layer's products (--shape smollm2) over a "
-                    "sweep of KernelTuning.rows_small_*_tile, for TOKENS rows")
-    ap.add_argument("--wide-k", action="store_true", help="with --layer: sweep tiles of 256-1,024 columns "
-                    "(WIDE_K_SWEEP) beside the engine's")
-    ap.add_argument("--shape", default="llama3-8b", choices=sorted({*MLP_SHAPES, *LAYER_SHAPES}),
-                    help="the MLP's or layer's shape")
+    ap.add_argument(
+        "--layer",
+        type=int,
+        metavar="TOKENS",
+        help="a small layer's products (--shape smollm2) over a "
+        "sweep of KernelTuning.rows_small_*_tile, for TOKENS rows",
+    )
+    ap.add_argument(
+        "--wide-k",
+        action="store_true",
+        help="with --layer: sweep tiles of 256-1,024 columns (WIDE_K_SWEEP) beside the engine's",
+    )
+    ap.add_argument(
+        "--shape", default="llama3-8b", choices=sorted({*MLP_SHAPES, *LAYER_SHAPES}), help="the MLP's or layer's shape"
+    )
     args = ap.parse_args()
-    check() if args.check else layer(args.shape, args.layer, args.wide_k) if args.layer else mlp(args.shape) if args.mlp else main()
+    check() if args.check else layer(args.shape, args.layer, args.wide_k) if args.layer else mlp(
+        args.shape
+    ) if args.mlp else main()

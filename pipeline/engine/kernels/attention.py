@@ -17,19 +17,75 @@ from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 
 @triton.jit
-def _attention_split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_ptr, num_slots, region,
-                            sm_scale, stride_slot, stride_head, num_splits, span,
-                            GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD: tl.constexpr,
-                            CHUNK: tl.constexpr, REGION: tl.constexpr):
-    _attention_split(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_ptr, num_slots, region, sm_scale,
-                     stride_slot, stride_head, num_splits, span, GROUP, GROUP_ROWS, HEAD, CHUNK, REGION)
+def _attention_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    length_ptr,
+    rows_ptr,
+    m_ptr,
+    l_ptr,
+    o_ptr,
+    num_slots,
+    region,
+    sm_scale,
+    stride_slot,
+    stride_head,
+    num_splits,
+    span,
+    GROUP: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
+    HEAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    REGION: tl.constexpr,
+):
+    _attention_split(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        length_ptr,
+        rows_ptr,
+        m_ptr,
+        l_ptr,
+        o_ptr,
+        num_slots,
+        region,
+        sm_scale,
+        stride_slot,
+        stride_head,
+        num_splits,
+        span,
+        GROUP,
+        GROUP_ROWS,
+        HEAD,
+        CHUNK,
+        REGION,
+    )
 
 
 @triton.jit
-def _attention_split(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_ptr, num_slots, region,
-                     sm_scale, stride_slot, stride_head, num_splits, span,
-                     GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD: tl.constexpr,
-                     CHUNK: tl.constexpr, REGION: tl.constexpr):
+def _attention_split(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    length_ptr,
+    rows_ptr,
+    m_ptr,
+    l_ptr,
+    o_ptr,
+    num_slots,
+    region,
+    sm_scale,
+    stride_slot,
+    stride_head,
+    num_splits,
+    span,
+    GROUP: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
+    HEAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    REGION: tl.constexpr,
+):
     """Program (kv head, split): one token's query group of one kv head over one span of cache slots,
     CHUNK slots at a time with a running softmax: the span's max, sum and unnormalised output per query
     head (flash-decoding's first half).
@@ -80,11 +136,33 @@ def _attention_split(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_
 
 
 @triton.jit
-def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_ptr, o_ptr, num_slots, region,
-                           sm_scale, stride_slot, stride_head, num_splits, tokens, out_ptr, stride_token,
-                           GROUP: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           FLOAT32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
-                           OWN_SLOT: tl.constexpr):
+def _tree_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    length_ptr,
+    rows_ptr,
+    m_ptr,
+    l_ptr,
+    o_ptr,
+    num_slots,
+    region,
+    sm_scale,
+    stride_slot,
+    stride_head,
+    num_splits,
+    tokens,
+    out_ptr,
+    stride_token,
+    GROUP: tl.constexpr,
+    HEAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FLOAT32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
+    OWN_SLOT: tl.constexpr,
+):
     """The split kernel for several tokens: one kv head's query rows (token, group member) in
     tiles of BLOCK_M against every num_splits-th block of BLOCK_N slots, both products on tensor
     cores (a 64-node tree of an 8B model has 256 query rows a kv head, which CUDA cores took ~100 us
@@ -115,8 +193,11 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_p
             scores = tl.where(inside[None, :], scores, float("-inf"))
         else:
             rel = slots - length
-            seen = tl.load(rows_ptr + token[:, None] * region + rel[None, :],
-                           mask=live[:, None] & (inside & (rel >= 0))[None, :], other=0)
+            seen = tl.load(
+                rows_ptr + token[:, None] * region + rel[None, :],
+                mask=live[:, None] & (inside & (rel >= 0))[None, :],
+                other=0,
+            )
             visible = ((rel < 0) & inside)[None, :] | (seen != 0)
             scores = tl.where(visible, scores, float("-inf"))
         top = tl.maximum(peak, tl.max(scores, axis=1))
@@ -141,8 +222,7 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, length_ptr, rows_ptr, m_ptr, l_p
 
 
 @triton.jit
-def _attention_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, num_splits,
-                            HEAD: tl.constexpr, SPLIT_ROWS: tl.constexpr):
+def _attention_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, num_splits, HEAD: tl.constexpr, SPLIT_ROWS: tl.constexpr):
     """One query row (token, head): the splits' partial softmaxes rescaled to a common max and summed."""
     query = tl.program_id(0)
     splits = tl.arange(0, SPLIT_ROWS)
@@ -159,10 +239,23 @@ def _attention_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, num_splits,
 
 
 @torch.library.custom_op("specpipe::slot_attention", mutates_args=())
-def _slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor, rows: torch.Tensor | None,
-                    one_token_tiles: bool, chunk_slots: int, max_splits: int, programs: int, block_rows: int,
-                    block_slots: int, min_rows: int, min_blocks_per_split: int, max_blocks_per_split: int,
-                    float32_dot: str) -> torch.Tensor:
+def _slot_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    length: torch.Tensor,
+    rows: torch.Tensor | None,
+    one_token_tiles: bool,
+    chunk_slots: int,
+    max_splits: int,
+    programs: int,
+    block_rows: int,
+    block_slots: int,
+    min_rows: int,
+    min_blocks_per_split: int,
+    max_blocks_per_split: int,
+    float32_dot: str,
+) -> torch.Tensor:
     tokens, heads, head = q.shape
     slots, kv_heads = k.shape[0], k.shape[1]
     group = heads // kv_heads
@@ -185,37 +278,102 @@ def _slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: t
     out = q.new_empty(q.shape)  # contiguous whatever q's strides: the kernels write rows of [T * H, D]
     if q.stride(2) != 1 or q.stride(1) != head:  # heads side by side; tokens may lie at any stride
         q = q.contiguous()
-    args = (q, k, v, length, k if rows is None else rows.contiguous().view(torch.uint8), m, sums, o, slots,
-            region, head ** -0.5, k.stride(0), k.stride(1), splits)
+    args = (
+        q,
+        k,
+        v,
+        length,
+        k if rows is None else rows.contiguous().view(torch.uint8),
+        m,
+        sums,
+        o,
+        slots,
+        region,
+        head**-0.5,
+        k.stride(0),
+        k.stride(1),
+        splits,
+    )
     if cuda_cores:
         _attention_split_kernel[(kv_heads, splits)](
-            *args, span, GROUP=group, GROUP_ROWS=triton.next_power_of_2(group), HEAD=head,
-            CHUNK=chunk_slots, REGION=rows is not None)
+            *args,
+            span,
+            GROUP=group,
+            GROUP_ROWS=triton.next_power_of_2(group),
+            HEAD=head,
+            CHUNK=chunk_slots,
+            REGION=rows is not None,
+        )
     else:
         _tree_attention_kernel[(tiles, kv_heads, splits)](
-            *args, tokens, out, q.stride(0), GROUP=group, HEAD=head, BLOCK_M=block_m, BLOCK_N=block_slots,
-            FLOAT32=q.dtype == torch.float32, PRECISION=float32_dot if q.dtype == torch.float32 else "tf32",
-            DIRECT=direct, OWN_SLOT=rows is None)
+            *args,
+            tokens,
+            out,
+            q.stride(0),
+            GROUP=group,
+            HEAD=head,
+            BLOCK_M=block_m,
+            BLOCK_N=block_slots,
+            FLOAT32=q.dtype == torch.float32,
+            PRECISION=float32_dot if q.dtype == torch.float32 else "tf32",
+            DIRECT=direct,
+            OWN_SLOT=rows is None,
+        )
     if not direct:
-        _attention_merge_kernel[(tokens * heads,)](m, sums, o, out, splits, HEAD=head,
-                                                   SPLIT_ROWS=max(2, triton.next_power_of_2(splits)))
+        _attention_merge_kernel[(tokens * heads,)](
+            m, sums, o, out, splits, HEAD=head, SPLIT_ROWS=max(2, triton.next_power_of_2(splits))
+        )
     return out
 
 
 @_slot_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor, rows: torch.Tensor | None,
-      one_token_tiles: bool, chunk_slots: int, max_splits: int, programs: int, block_rows: int, block_slots: int,
-      min_rows: int, min_blocks_per_split: int, max_blocks_per_split: int, float32_dot: str) -> torch.Tensor:
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    length: torch.Tensor,
+    rows: torch.Tensor | None,
+    one_token_tiles: bool,
+    chunk_slots: int,
+    max_splits: int,
+    programs: int,
+    block_rows: int,
+    block_slots: int,
+    min_rows: int,
+    min_blocks_per_split: int,
+    max_blocks_per_split: int,
+    float32_dot: str,
+) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
-def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor, rows: torch.Tensor | None,
-                   tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
+def slot_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    length: torch.Tensor,
+    rows: torch.Tensor | None,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> torch.Tensor:
     """Tokens' heads q [T, H, D] over cache slots k, v [S, Hkv, D] (slot rows may be strided):
     softmax(q k^T / sqrt(D)) v in q's dtype, token t seeing slots below length[0] and slot
     length[0] + j where rows[t, j] (rows [T, R] bool). rows None: one token at slot length[0],
     seeing every slot up to its own. The splits and tiles follow `tuning` (see KernelTuning)."""
     t = tuning
-    return _slot_attention(q, k, v, length, rows, t.one_token_tiles, t.attention_chunk_slots, t.attention_max_splits,
-                           t.attention_programs, t.tree_block_rows, t.tree_block_slots, t.tree_min_rows,
-                           t.tree_min_blocks_per_split, t.tree_max_blocks_per_split, t.float32_dot)
+    return _slot_attention(
+        q,
+        k,
+        v,
+        length,
+        rows,
+        t.one_token_tiles,
+        t.attention_chunk_slots,
+        t.attention_max_splits,
+        t.attention_programs,
+        t.tree_block_rows,
+        t.tree_block_slots,
+        t.tree_min_rows,
+        t.tree_min_blocks_per_split,
+        t.tree_max_blocks_per_split,
+        t.float32_dot,
+    )

@@ -29,8 +29,21 @@ def _gemv_input(x_ptr, norm_ptr, cols, inside, scale, dtype, NORM: tl.constexpr)
 
 
 @triton.jit
-def _gemv_rows(w_ptr, x_ptr, norm_ptr, rows, live, n, k, eps, dtype, NORM: tl.constexpr, GATED: tl.constexpr,
-               BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_rows(
+    w_ptr,
+    x_ptr,
+    norm_ptr,
+    rows,
+    live,
+    n,
+    k,
+    eps,
+    dtype,
+    NORM: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """The float32 sums of W's rows `rows` (and, GATED, of the rows n further on) times x: the loop
     over K of _gemv_kernel, whose docstring says what NORM and GATED do. Returns (sums, gate sums)."""
     cols = tl.arange(0, BLOCK_K)
@@ -67,8 +80,21 @@ def _gemv_rows(w_ptr, x_ptr, norm_ptr, rows, live, n, k, eps, dtype, NORM: tl.co
 
 
 @triton.jit
-def _gemv_kernel(w_ptr, x_ptr, y_ptr, norm_ptr, res_ptr, n, k, eps, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                 GATED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(
+    w_ptr,
+    x_ptr,
+    y_ptr,
+    norm_ptr,
+    res_ptr,
+    n,
+    k,
+    eps,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """y[n] = W[n, k] x, each program summing BLOCK_ROWS whole rows in float32.
 
     NORM: x is first RMS-normalised and scaled by norm_ptr (every program recomputes the scale from
@@ -98,36 +124,91 @@ def _silu_times(fc, gate, dtype):
 
 
 @torch.library.custom_op("specpipe::gemv", mutates_args=())
-def _gemv(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
-          gated: bool, block_rows: int, block_k: int, warps: int) -> torch.Tensor:
+def _gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None,
+    gated: bool,
+    block_rows: int,
+    block_k: int,
+    warps: int,
+) -> torch.Tensor:
     x, w = x.contiguous(), w.contiguous()
     n, k = w.shape
     n = n // 2 if gated else n
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_rows),)](
-        w, x, y, x if norm is None else norm.contiguous(), x if residual is None else residual.contiguous(),
-        n, k, eps, NORM=norm is not None, RESIDUAL=residual is not None, GATED=gated, BLOCK_ROWS=block_rows,
-        BLOCK_K=block_k, num_warps=warps)
+        w,
+        x,
+        y,
+        x if norm is None else norm.contiguous(),
+        x if residual is None else residual.contiguous(),
+        n,
+        k,
+        eps,
+        NORM=norm is not None,
+        RESIDUAL=residual is not None,
+        GATED=gated,
+        BLOCK_ROWS=block_rows,
+        BLOCK_K=block_k,
+        num_warps=warps,
+    )
     return y
 
 
 @_gemv.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
-      gated: bool, block_rows: int, block_k: int, warps: int) -> torch.Tensor:
+def _(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None,
+    gated: bool,
+    block_rows: int,
+    block_k: int,
+    warps: int,
+) -> torch.Tensor:
     return x.new_empty(w.shape[0] // 2 if gated else w.shape[0])
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
-         residual: torch.Tensor | None = None, gated: bool = False,
-         tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    gated: bool = False,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> torch.Tensor:
     """x [K] times w [N, K] (row-major) -> [N] in x's dtype ([N / 2] gated), see _gemv_kernel."""
     return _gemv(x, w, norm, eps, residual, gated, tuning.block_rows, tuning.block_k, tuning.num_warps)
 
 
 @triton.jit
-def _gemv_rope_kernel(w_ptr, x_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, k, eps,
-                      layer_offset, stride_slot, stride_head, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                      HEAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_rope_kernel(
+    w_ptr,
+    x_ptr,
+    norm_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    k,
+    eps,
+    layer_offset,
+    stride_slot,
+    stride_head,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """_rope_store_kernel as the epilogue of the QKV GEMV (_gemv_kernel with NORM), one kernel a layer
     fewer, each program summing the rows _rope_rows gives it."""
     dtype = q_ptr.dtype.element_ty
@@ -154,10 +235,23 @@ def _gemv_rope_kernel(w_ptr, x_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_pt
 
 
 @torch.library.custom_op("specpipe::gemv_rope_store", mutates_args=("k_cache", "v_cache"))
-def _gemv_rope_store(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: float, cos: torch.Tensor,
-                     sin: torch.Tensor, position: torch.Tensor, slot: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, layer: int, heads: int, block_rows: int, block_k: int,
-                     warps: int) -> torch.Tensor:
+def _gemv_rope_store(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position: torch.Tensor,
+    slot: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layer: int,
+    heads: int,
+    block_rows: int,
+    block_k: int,
+    warps: int,
+) -> torch.Tensor:
     kv_heads, head = k_cache.shape[-2], k_cache.shape[-1]
     assert w.shape[0] == (heads + 2 * kv_heads) * head
     rows = min(block_rows, head)  # both powers of two: a program's row pairs lie in one head
@@ -165,24 +259,81 @@ def _gemv_rope_store(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: 
     x, w = x.contiguous(), w.contiguous()
     q = x.new_empty(heads * head)
     _gemv_rope_kernel[(w.shape[0] // rows,)](
-        w, x, norm.contiguous(), cos, sin, position, slot, q, k_cache, v_cache, w.shape[1], eps,
-        *_cache_offsets(k_cache, v_cache, cos, sin, layer), HEADS=heads, KV_HEADS=kv_heads, HEAD=head,
-        BLOCK_ROWS=rows, BLOCK_K=block_k, num_warps=warps)
+        w,
+        x,
+        norm.contiguous(),
+        cos,
+        sin,
+        position,
+        slot,
+        q,
+        k_cache,
+        v_cache,
+        w.shape[1],
+        eps,
+        *_cache_offsets(k_cache, v_cache, cos, sin, layer),
+        HEADS=heads,
+        KV_HEADS=kv_heads,
+        HEAD=head,
+        BLOCK_ROWS=rows,
+        BLOCK_K=block_k,
+        num_warps=warps,
+    )
     return q
 
 
 @_gemv_rope_store.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-      position: torch.Tensor, slot: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
-      heads: int, block_rows: int, block_k: int, warps: int) -> torch.Tensor:
+def _(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position: torch.Tensor,
+    slot: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layer: int,
+    heads: int,
+    block_rows: int,
+    block_k: int,
+    warps: int,
+) -> torch.Tensor:
     return x.new_empty(heads * k_cache.shape[-1])
 
 
-def gemv_rope_store(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: float, cos: torch.Tensor,
-                    sin: torch.Tensor, position: torch.Tensor, slot: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, layer: int, heads: int,
-                    tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
+def gemv_rope_store(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position: torch.Tensor,
+    slot: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layer: int,
+    heads: int,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> torch.Tensor:
     """rope_store(gemv(x, w, norm, eps), cos, sin, position, slot, k_cache, v_cache, layer, heads) in
     one kernel (_gemv_rope_kernel): x [K] RMS-normalised times w [(H + 2 Hkv) D, K] -> rotated q [H D]."""
-    return _gemv_rope_store(x, w, norm, eps, cos, sin, position, slot, k_cache, v_cache, layer, heads,
-                            tuning.block_rows, tuning.block_k, tuning.num_warps)
+    return _gemv_rope_store(
+        x,
+        w,
+        norm,
+        eps,
+        cos,
+        sin,
+        position,
+        slot,
+        k_cache,
+        v_cache,
+        layer,
+        heads,
+        tuning.block_rows,
+        tuning.block_k,
+        tuning.num_warps,
+    )

@@ -21,9 +21,22 @@ def _rotary(x, rotated, cos_ptr, sin_ptr, offsets, dtype):
 
 
 @triton.jit
-def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
-                       layer_offset, stride_slot, stride_head,
-                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD: tl.constexpr):
+def _rope_store_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    layer_offset,
+    stride_slot,
+    stride_head,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD: tl.constexpr,
+):
     """One head of a token's QKV row: q and k heads rotated (rotate-half RoPE, the unfused layer's
     roundings), q heads written to q_ptr, k and v heads to the cache at the token's slot."""
     head = tl.program_id(0)
@@ -41,8 +54,9 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_pt
         if head < HEADS + KV_HEADS:
             tl.store(k_ptr + layer_offset + slot * stride_slot + (head - HEADS) * stride_head + dims, x.to(dtype))
         else:
-            tl.store(v_ptr + layer_offset + slot * stride_slot + (head - HEADS - KV_HEADS) * stride_head + dims,
-                     x.to(dtype))
+            tl.store(
+                v_ptr + layer_offset + slot * stride_slot + (head - HEADS - KV_HEADS) * stride_head + dims, x.to(dtype)
+            )
 
 
 @triton.jit
@@ -63,28 +77,57 @@ def _rope_rows(HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD: tl.constexpr, 
     return rotated, head, dims, rows
 
 
-def _cache_offsets(k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   layer: int) -> tuple[int, int, int]:
+def _cache_offsets(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int
+) -> tuple[int, int, int]:
     """(layer offset, slot stride, head stride) of the caches [layers, rows, slots, Hkv, D] for the rotary kernels."""
     assert k_cache.stride() == v_cache.stride() and cos.is_contiguous() and sin.is_contiguous()
     return layer * k_cache.stride(0), k_cache.stride(2), k_cache.stride(3)
 
 
 @torch.library.custom_op("specpipe::rope_store", mutates_args=("k_cache", "v_cache"))
-def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor, slot: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, heads: int) -> torch.Tensor:
+def rope_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position: torch.Tensor,
+    slot: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layer: int,
+    heads: int,
+) -> torch.Tensor:
     """One token's qkv [(H + 2 Hkv) D] -> rotated q [H D]; rotated k and v land in batch row 0 of
     k_cache, v_cache [layers, rows, slots, Hkv, D] at layer `layer`, slot slot[0], RoPE position position[0]."""
     kv_heads, head = k_cache.shape[-2], k_cache.shape[-1]
     q = qkv.new_empty(heads * head)
     _rope_store_kernel[(heads + 2 * kv_heads,)](
-        qkv.contiguous(), cos, sin, position, slot, q, k_cache, v_cache,
-        *_cache_offsets(k_cache, v_cache, cos, sin, layer), HEADS=heads, KV_HEADS=kv_heads, HEAD=head)
+        qkv.contiguous(),
+        cos,
+        sin,
+        position,
+        slot,
+        q,
+        k_cache,
+        v_cache,
+        *_cache_offsets(k_cache, v_cache, cos, sin, layer),
+        HEADS=heads,
+        KV_HEADS=kv_heads,
+        HEAD=head,
+    )
     return q
 
 
 @rope_store.register_fake
-def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor, slot: torch.Tensor,
-      k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, heads: int) -> torch.Tensor:
+def _(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position: torch.Tensor,
+    slot: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layer: int,
+    heads: int,
+) -> torch.Tensor:
     return qkv.new_empty(heads * k_cache.shape[-1])
-

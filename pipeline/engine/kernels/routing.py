@@ -104,15 +104,24 @@ class Drafter:
     drafter: DrafterKernels = TORCH_TOPK
 
 
-def drafter_kernels(lm_head: torch.Tensor, kernels: str | None = None, device_types: tuple[str, ...] = CUDA_ONLY,
-                    draft_topk: bool | None = None, tuning: KernelTuning = DEFAULT_TUNING) -> DrafterKernels:
+def drafter_kernels(
+    lm_head: torch.Tensor,
+    kernels: str | None = None,
+    device_types: tuple[str, ...] = CUDA_ONLY,
+    draft_topk: bool | None = None,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> DrafterKernels:
     """The top-k's of a drafter (EAGLE's net, Medusa's heads) whose LM head is `lm_head`: the kernels at a level
     other than off (default: the environment's), with SPECPIPE_DRAFT_TOPK's fused (or draft_topk), on
     half-precision weights of device_types; else torch's ops."""
     kernels = kernels or level()
     draft_topk = draft_topk_enabled() if draft_topk is None else draft_topk
-    if (kernels == "off" or not draft_topk or lm_head.device.type not in device_types
-            or lm_head.dtype not in HALF_DTYPES):
+    if (
+        kernels == "off"
+        or not draft_topk
+        or lm_head.device.type not in device_types
+        or lm_head.dtype not in HALF_DTYPES
+    ):
         return TORCH_TOPK
     return DrafterKernels(tuning)
 
@@ -124,8 +133,13 @@ def _tuned(kernel: Callable[..., Any], tuning: KernelTuning) -> Callable[..., An
     return functools.partial(kernel, tuning=tuning)
 
 
-def attach(model: nn.Module, kernels: str | None = None, device_types: tuple[str, ...] = CUDA_ONLY,
-           draft_topk: bool | None = None, tuning: KernelTuning = DEFAULT_TUNING) -> dict[str, int]:
+def attach(
+    model: nn.Module,
+    kernels: str | None = None,
+    device_types: tuple[str, ...] = CUDA_ONLY,
+    draft_topk: bool | None = None,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> dict[str, int]:
     """Route `model`'s single-token work, and the attention of its graph steps, through the kernels at
     `kernels` (default: the environment's level) with `tuning`, and an EAGLE drafter's top-k's through
     drafter_kernels. Returns how many Linear layers use the GEMV, how many decoder layers run fused, how many
@@ -159,40 +173,52 @@ def attach(model: nn.Module, kernels: str | None = None, device_types: tuple[str
     fused = [m for m in layers if kernels == "fused" and fusable(m)]
     for m in layers:
         m.fused = _tuned(fused_layer, tuning) if m in fused else None
-    return {"gemv_layers": len(linears) if gemv else 0, "fused_layers": len(fused),
-            "attention_layers": sum(m.slot_attention is not None for m in attentions),
-            "draft_topk": sum(m.drafter.fused for m in drafters)}
+    return {
+        "gemv_layers": len(linears) if gemv else 0,
+        "fused_layers": len(fused),
+        "attention_layers": sum(m.slot_attention is not None for m in attentions),
+        "draft_topk": sum(m.drafter.fused for m in drafters),
+    }
 
 
 def fusable(layer: DecoderLayer) -> bool:
     a, mlp = layer.attention, layer.mlp
-    return (isinstance(layer.input_layernorm, RMSNorm) and mlp.act is torch.nn.functional.silu
-            and all(lin.bias is None for lin in (a.qkv, a.dense, mlp.fc_gate, mlp.proj))
-            and power_of_two(a.head_size))
+    return (
+        isinstance(layer.input_layernorm, RMSNorm)
+        and mlp.act is torch.nn.functional.silu
+        and all(lin.bias is None for lin in (a.qkv, a.dense, mlp.fc_gate, mlp.proj))
+        and power_of_two(a.head_size)
+    )
 
 
 def power_of_two(n: int) -> bool:
     return n & (n - 1) == 0
 
 
-def fused_layer(layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int,
-                tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
+def fused_layer(
+    layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int, tuning: KernelTuning = DEFAULT_TUNING
+) -> torch.Tensor:
     """DecoderLayer.forward through the kernels: a single token's all through (single_token_layer); a tree
     step's of a small layer all through (several_token_layer); other steps of several tokens from the MLP's
     norm on (several_token_mlp)."""
     tokens = x.shape[:-1].numel()
     if tokens == 1:
         return single_token_layer(layer, x, ctx, index, tuning)
-    if (tuning.rows_layer and ctx.region is not None and tokens <= tuning.rows_gemm_max_tokens
-            and layer.attention.head_size >= tuning.tree_min_rows
-            and layer.mlp.fc_gate.weight.numel() <= tuning.rows_small_weights):
+    if (
+        tuning.rows_layer
+        and ctx.region is not None
+        and tokens <= tuning.rows_gemm_max_tokens
+        and layer.attention.head_size >= tuning.tree_min_rows
+        and layer.mlp.fc_gate.weight.numel() <= tuning.rows_small_weights
+    ):
         return several_token_layer(layer, x, ctx, index, tuning)
     x = x + layer.attention(layer.input_layernorm(x), ctx, index)
     return several_token_mlp(layer, x, tuning)
 
 
-def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int,
-                       tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
+def single_token_layer(
+    layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int, tuning: KernelTuning = DEFAULT_TUNING
+) -> torch.Tensor:
     """DecoderLayer.forward for one token of one sequence (x [1, 1, H]): four GEMVs, the first with
     rotary and the cache write in it (tuning.rope_in_gemv; else a kernel of their own), the two attention
     kernels, and SiLU-and-multiply (inductor's, or in the third GEMV with tuning.gated_gemv)."""
@@ -202,14 +228,27 @@ def single_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext
 
     a, mlp, norm, post = layer.attention, layer.mlp, layer.input_layernorm, layer.post_layernorm
     h = x.view(-1)
-    rope = (ctx.rotary.cos, ctx.rotary.sin, ctx.positions.view(-1), ctx.slots.view(-1), ctx.cache.k, ctx.cache.v,
-            index, a.num_heads)
+    rope = (
+        ctx.rotary.cos,
+        ctx.rotary.sin,
+        ctx.positions.view(-1),
+        ctx.slots.view(-1),
+        ctx.cache.k,
+        ctx.cache.v,
+        index,
+        a.num_heads,
+    )
     if tuning.rope_in_gemv:
         q = gemv_rope_store(h, a.qkv.weight, norm.weight, norm.eps, *rope, tuning=tuning)
     else:
         q = rope_store(gemv(h, a.qkv.weight, norm.weight, norm.eps, tuning=tuning), *rope)
-    out = slot_attention(q.view(1, a.num_heads, a.head_size), ctx.cache.k[index, 0], ctx.cache.v[index, 0],
-                         *ctx.visible_slots(), tuning=tuning)
+    out = slot_attention(
+        q.view(1, a.num_heads, a.head_size),
+        ctx.cache.k[index, 0],
+        ctx.cache.v[index, 0],
+        *ctx.visible_slots(),
+        tuning=tuning,
+    )
     h = gemv(out.view(-1), a.dense.weight, residual=h, tuning=tuning)
     if tuning.gated_gemv:
         gated = gemv(h, mlp.fc_gate.weight, post.weight, post.eps, gated=True, tuning=tuning)
@@ -233,8 +272,9 @@ def several_token_mlp(layer: DecoderLayer, x: torch.Tensor, tuning: KernelTuning
     return rows_gemm(gated, layer.mlp.proj.weight, residual=rows, tuning=tuning).view_as(x)
 
 
-def several_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int,
-                        tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
+def several_token_layer(
+    layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int, tuning: KernelTuning = DEFAULT_TUNING
+) -> torch.Tensor:
     """DecoderLayer.forward for a graph step of several tokens of one sequence (x [1, T, H], ctx with a
     region): single_token_layer's six kernels for T rows, through rows_rope_store, slot_attention and
     rows_gemm, the norms inside the QKV and gate/up products."""
@@ -243,11 +283,28 @@ def several_token_layer(layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContex
 
     a, mlp, norm, post = layer.attention, layer.mlp, layer.input_layernorm, layer.post_layernorm
     rows = x.view(-1, x.shape[-1])
-    q = rows_rope_store(rows, a.qkv.weight, norm.weight, norm.eps, ctx.rotary.cos, ctx.rotary.sin,
-                        ctx.positions.view(-1), ctx.slots.view(-1), ctx.cache.k, ctx.cache.v, index, a.num_heads,
-                        tuning=tuning)
-    out = slot_attention(q.view(-1, a.num_heads, a.head_size), ctx.cache.k[index, 0], ctx.cache.v[index, 0],
-                         *ctx.visible_slots(), tuning=tuning)
+    q = rows_rope_store(
+        rows,
+        a.qkv.weight,
+        norm.weight,
+        norm.eps,
+        ctx.rotary.cos,
+        ctx.rotary.sin,
+        ctx.positions.view(-1),
+        ctx.slots.view(-1),
+        ctx.cache.k,
+        ctx.cache.v,
+        index,
+        a.num_heads,
+        tuning=tuning,
+    )
+    out = slot_attention(
+        q.view(-1, a.num_heads, a.head_size),
+        ctx.cache.k[index, 0],
+        ctx.cache.v[index, 0],
+        *ctx.visible_slots(),
+        tuning=tuning,
+    )
     h = rows_gemm(out.view(rows.shape[0], -1), a.dense.weight, residual=rows, tuning=tuning)
     gated = rows_gemm(h, mlp.fc_gate.weight, gated=True, norm=post.weight, eps=post.eps, tuning=tuning)
     return rows_gemm(gated, mlp.proj.weight, residual=h, tuning=tuning).view_as(x)

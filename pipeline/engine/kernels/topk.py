@@ -14,8 +14,21 @@ from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 
 @triton.jit
-def _lm_head_topk_kernel(h_ptr, w_ptr, val_ptr, idx_ptr, max_ptr, sum_ptr, rows, vocab, hidden,
-                         ROWS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr):
+def _lm_head_topk_kernel(
+    h_ptr,
+    w_ptr,
+    val_ptr,
+    idx_ptr,
+    max_ptr,
+    sum_ptr,
+    rows,
+    vocab,
+    hidden,
+    ROWS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    K: tl.constexpr,
+):
     """One vocabulary tile for every row: logits in float32, then the tile's k best (value, token), its
     maximum and its sum of exp(logit - maximum), at [row, tile] of the outputs."""
     tile = tl.program_id(0)
@@ -26,10 +39,12 @@ def _lm_head_topk_kernel(h_ptr, w_ptr, val_ptr, idx_ptr, max_ptr, sum_ptr, rows,
     acc = tl.zeros((ROWS, BLOCK_V), tl.float32)
     for h0 in range(0, hidden, BLOCK_H):
         c = h0 + tl.arange(0, BLOCK_H)
-        x = tl.load(h_ptr + r[:, None] * hidden + c[None, :], mask=(r[:, None] < rows) & (c[None, :] < hidden),
-                    other=0.0)
-        w = tl.load(w_ptr + v[:, None] * hidden + c[None, :], mask=(v[:, None] < vocab) & (c[None, :] < hidden),
-                    other=0.0)
+        x = tl.load(
+            h_ptr + r[:, None] * hidden + c[None, :], mask=(r[:, None] < rows) & (c[None, :] < hidden), other=0.0
+        )
+        w = tl.load(
+            w_ptr + v[:, None] * hidden + c[None, :], mask=(v[:, None] < vocab) & (c[None, :] < hidden), other=0.0
+        )
         acc += tl.dot(x, tl.trans(w))
     acc = tl.where(v[None, :] < vocab, acc, float("-inf"))
     live = r < rows
@@ -45,8 +60,9 @@ def _lm_head_topk_kernel(h_ptr, w_ptr, val_ptr, idx_ptr, max_ptr, sum_ptr, rows,
         acc = tl.where(cols[None, :] == at[:, None], float("-inf"), acc)
 
 
-def tiled_topk(h: torch.Tensor, weight: torch.Tensor, k: int, block_v: int, warps: int, max_rows: int,
-               block_h: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tiled_topk(
+    h: torch.Tensor, weight: torch.Tensor, k: int, block_v: int, warps: int, max_rows: int, block_h: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """lm_head_topk's two kernels with vocabulary tiles of block_v rows, `warps` warps a program, a tile of
     max_rows rows of h (at least h's) and block_h hidden columns a step."""
     rows, hidden = h.shape
@@ -58,12 +74,36 @@ def tiled_topk(h: torch.Tensor, weight: torch.Tensor, k: int, block_v: int, warp
     idx = torch.empty(rows, tiles * k, dtype=torch.int32, device=h.device)
     tile_max = torch.empty(rows, tiles, dtype=torch.float32, device=h.device)
     tile_sum = torch.empty_like(tile_max)
-    _lm_head_topk_kernel[(tiles,)](h, weight, val, idx, tile_max, tile_sum, rows, vocab, hidden,
-                                   ROWS=max_rows, BLOCK_V=block_v, BLOCK_H=block_h, K=k, num_warps=warps)
+    _lm_head_topk_kernel[(tiles,)](
+        h,
+        weight,
+        val,
+        idx,
+        tile_max,
+        tile_sum,
+        rows,
+        vocab,
+        hidden,
+        ROWS=max_rows,
+        BLOCK_V=block_v,
+        BLOCK_H=block_h,
+        K=k,
+        num_warps=warps,
+    )
     logp = torch.empty(rows, k, dtype=torch.float32, device=h.device)
     tokens = torch.empty(rows, k, dtype=torch.long, device=h.device)
-    _topk_merge_kernel[(rows,)](val, idx, tile_max, tile_sum, logp, tokens, tiles, K=k,
-                                N=triton.next_power_of_2(tiles * k), TILES=triton.next_power_of_2(tiles))
+    _topk_merge_kernel[(rows,)](
+        val,
+        idx,
+        tile_max,
+        tile_sum,
+        logp,
+        tokens,
+        tiles,
+        K=k,
+        N=triton.next_power_of_2(tiles * k),
+        TILES=triton.next_power_of_2(tiles),
+    )
     return logp, tokens
 
 
@@ -88,8 +128,18 @@ def _decode_keys(keys, N: tl.constexpr):
 
 
 @triton.jit
-def _topk_merge_kernel(val_ptr, idx_ptr, max_ptr, sum_ptr, logp_ptr, token_ptr, tiles,
-                       K: tl.constexpr, N: tl.constexpr, TILES: tl.constexpr):
+def _topk_merge_kernel(
+    val_ptr,
+    idx_ptr,
+    max_ptr,
+    sum_ptr,
+    logp_ptr,
+    token_ptr,
+    tiles,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    TILES: tl.constexpr,
+):
     """One row of _lm_head_topk_kernel's output: the log-softmax normaliser from the tiles' maxima and
     sums, and the k best of the tiles' tiles * k candidates, as log-probabilities and tokens. k rounds of
     max-and-remove over the candidates' keys: for a few rows and a small k faster than a bitonic sort of
@@ -149,20 +199,30 @@ def row_topk(x: torch.Tensor, k: int, tuning: KernelTuning = DEFAULT_TUNING) -> 
 
 
 @torch.library.custom_op("specpipe::lm_head_topk", mutates_args=())
-def _lm_head_topk(h: torch.Tensor, weight: torch.Tensor, k: int, block_v: int, warps: int, max_rows: int,
-                  block_h: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _lm_head_topk(
+    h: torch.Tensor, weight: torch.Tensor, k: int, block_v: int, warps: int, max_rows: int, block_h: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     return tiled_topk(h, weight, k, block_v, warps, max_rows, block_h)
 
 
 @_lm_head_topk.register_fake
-def _(h: torch.Tensor, weight: torch.Tensor, k: int, block_v: int, warps: int, max_rows: int,
-      block_h: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _(
+    h: torch.Tensor, weight: torch.Tensor, k: int, block_v: int, warps: int, max_rows: int, block_h: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     return (h.new_empty(h.shape[0], k, dtype=torch.float32), h.new_empty(h.shape[0], k, dtype=torch.long))
 
 
-def lm_head_topk(h: torch.Tensor, weight: torch.Tensor, k: int,
-                 tuning: KernelTuning = DEFAULT_TUNING) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_head_topk(
+    h: torch.Tensor, weight: torch.Tensor, k: int, tuning: KernelTuning = DEFAULT_TUNING
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities float32, tokens) of the k most likely tokens of each row of h [rows, H] @ weight.T,
     [rows, k] each, best first: log_softmax(F.linear(h, weight).float()).topk(k) without the logits."""
-    return _lm_head_topk(h, weight, k, tuning.draft_topk_tile, tuning.draft_topk_warps, tuning.draft_topk_max_rows,
-                         tuning.draft_topk_block_h)
+    return _lm_head_topk(
+        h,
+        weight,
+        k,
+        tuning.draft_topk_tile,
+        tuning.draft_topk_warps,
+        tuning.draft_topk_max_rows,
+        tuning.draft_topk_block_h,
+    )

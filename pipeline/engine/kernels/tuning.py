@@ -89,13 +89,25 @@ class KernelTuning:
     row_topk_max: int = 4096
 
     def __post_init__(self) -> None:
-        blocks = (self.block_rows, self.block_k, self.attention_chunk_slots, self.tree_block_rows,
-                  self.tree_block_slots, self.tree_min_rows, self.draft_topk_tile, self.draft_topk_max_rows,
-                  self.draft_topk_block_h, self.row_topk_max)
+        blocks = (
+            self.block_rows,
+            self.block_k,
+            self.attention_chunk_slots,
+            self.tree_block_rows,
+            self.tree_block_slots,
+            self.tree_min_rows,
+            self.draft_topk_tile,
+            self.draft_topk_max_rows,
+            self.draft_topk_block_h,
+            self.row_topk_max,
+        )
         if not all(map(_power_of_two, blocks)):
             raise ValueError(f"KernelTuning: block sizes must be powers of two: {self}")
-        if len(self.rows_gemm_gated_tile) != 4 or len(self.rows_gemm_tile) != 4 or any(
-                len(t) != 5 for t in (self.rows_small_rope_tile, self.rows_small_gated_tile, self.rows_small_tile)):
+        if (
+            len(self.rows_gemm_gated_tile) != 4
+            or len(self.rows_gemm_tile) != 4
+            or any(len(t) != 5 for t in (self.rows_small_rope_tile, self.rows_small_gated_tile, self.rows_small_tile))
+        ):
             raise ValueError("KernelTuning: rows_gemm tiles take 4 values, rows_small tiles 5")
         if self.float32_dot not in FLOAT32_DOT_MODES:
             raise ValueError(f"KernelTuning.float32_dot={self.float32_dot!r}: use one of {FLOAT32_DOT_MODES}")

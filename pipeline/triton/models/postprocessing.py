@@ -32,9 +32,15 @@ class TritonPythonModel:
             lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()
             tokens = tokens.reshape(tokens.shape[0], -1, tokens.shape[-1])  # [batch, beam, len]
             lengths = lengths.reshape(tokens.shape[0], -1)
-            texts = [[self.tokenizer.decode(seq[:n].tolist(), skip_special_tokens=self.skip_special_tokens)
-                      .encode("utf-8") for seq, n in zip(beams, beam_lengths)]
-                     for beams, beam_lengths in zip(tokens, lengths)]
+            texts = [
+                [
+                    self.tokenizer.decode(seq[:n].tolist(), skip_special_tokens=self.skip_special_tokens).encode(
+                        "utf-8"
+                    )
+                    for seq, n in zip(beams, beam_lengths)
+                ]
+                for beams, beam_lengths in zip(tokens, lengths)
+            ]
             output = pb_utils.Tensor("OUTPUT", np.array(texts, dtype=np.object_))
             responses.append(pb_utils.InferenceResponse(output_tensors=[output]))
         return responses

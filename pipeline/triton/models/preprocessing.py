@@ -43,8 +43,8 @@ def words_to_ids(tokenizer, words):
             offsets.append(len(ids))
     width = max(len(ids), 1)
     out = np.full((2, width), WORDS_PAD, dtype=np.int32)
-    out[0, :len(ids)] = ids
-    out[1, :len(offsets)] = offsets
+    out[0, : len(ids)] = ids
+    out[1, : len(offsets)] = offsets
     if not ids:
         out[0, 0] = 0  # an empty list: one dummy id with no offset, so nothing is ever matched
     return out
@@ -61,8 +61,9 @@ def decode_utf8(value, what):
 
 def pad_rows(rows, fill):
     width = max((r.shape[-1] for r in rows), default=1)
-    return np.stack([np.pad(r, [(0, 0)] * (r.ndim - 1) + [(0, width - r.shape[-1])], constant_values=fill)
-                     for r in rows])
+    return np.stack(
+        [np.pad(r, [(0, 0)] * (r.ndim - 1) + [(0, width - r.shape[-1])], constant_values=fill) for r in rows]
+    )
 
 
 class TritonPythonModel:
@@ -115,22 +116,28 @@ class TritonPythonModel:
     def _prompt(self, raw, chat):
         """The text to tokenize: UTF-8 checked, within the byte limit, chat-templated when asked."""
         if len(raw) > self.max_prompt_bytes:
-            raise ClientError(f"text_input has {len(raw)} bytes, over the {self.max_prompt_bytes} that "
-                              f"{self.max_input_len} tokens (this engine's max_input_len) can hold; shorten the prompt")
+            raise ClientError(
+                f"text_input has {len(raw)} bytes, over the {self.max_prompt_bytes} that "
+                f"{self.max_input_len} tokens (this engine's max_input_len) can hold; shorten the prompt"
+            )
         text = decode_utf8(raw, "text_input")
         if not chat:
             return text
         if not getattr(self.tokenizer, "chat_template", None):
             raise ClientError("apply_chat_template: this model's tokenizer has no chat template; leave it unset")
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  tokenize=False)
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
 
     def _preprocess(self, request):
-        unknown = sorted(name for name in json.loads(request.parameters() or "{}")
-                         if not name.startswith(FRONTEND_PARAMETER_PREFIX))
+        unknown = sorted(
+            name for name in json.loads(request.parameters() or "{}") if not name.startswith(FRONTEND_PARAMETER_PREFIX)
+        )
         if unknown:
-            raise ClientError(f"unknown input(s) {', '.join(map(repr, unknown))}; see the model's inputs at "
-                              "/v2/models/ensemble/config")
+            raise ClientError(
+                f"unknown input(s) {', '.join(map(repr, unknown))}; see the model's inputs at "
+                "/v2/models/ensemble/config"
+            )
         query = self._optional(request, "QUERY")
         if query is None or query.size == 0:
             raise ClientError("input 'text_input' is missing; send the prompt as text_input")
@@ -138,8 +145,10 @@ class TritonPythonModel:
         chat = self._optional(request, "APPLY_CHAT_TEMPLATE")
         chat = [False] * batch if chat is None else [bool(c) for c in chat.reshape(batch, -1)[:, 0]]
         texts = [self._prompt(q, c) for q, c in zip(query.reshape(batch, -1)[:, 0], chat)]
-        ids = [np.array(self.tokenizer(t, add_special_tokens=self.add_special_tokens).input_ids, dtype=np.int32)
-               for t in texts]
+        ids = [
+            np.array(self.tokenizer(t, add_special_tokens=self.add_special_tokens).input_ids, dtype=np.int32)
+            for t in texts
+        ]
         lengths = np.array([[len(x)] for x in ids], dtype=np.int32)
         stop = [words_to_ids(self.tokenizer, w) for w in self._words(request, "STOP_WORDS_DICT", batch)]
         bad = [words_to_ids(self.tokenizer, w) for w in self._words(request, "BAD_WORDS_DICT", batch)]

@@ -24,29 +24,67 @@ import triton_python_backend_utils as pb_utils
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PREPROCESSING, POSTPROCESSING = "preprocessing", "postprocessing"
 # client input -> preprocessing input
-PREPROCESSING_INPUT_OF = {"text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "bad_words": "BAD_WORDS_DICT",
-                          "stop_words": "STOP_WORDS_DICT", "end_id": "END_ID", "pad_id": "PAD_ID",
-                          "apply_chat_template": "APPLY_CHAT_TEMPLATE"}
+PREPROCESSING_INPUT_OF = {
+    "text_input": "QUERY",
+    "max_tokens": "REQUEST_OUTPUT_LEN",
+    "bad_words": "BAD_WORDS_DICT",
+    "stop_words": "STOP_WORDS_DICT",
+    "end_id": "END_ID",
+    "pad_id": "PAD_ID",
+    "apply_chat_template": "APPLY_CHAT_TEMPLATE",
+}
 # preprocessing output -> engine input
 ENGINE_INPUT_FROM_PREPROCESSING = {
-    "INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
-    "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id", "STOP_WORDS_IDS": "stop_words_list",
-    "BAD_WORDS_IDS": "bad_words_list"}
+    "INPUT_ID": "input_ids",
+    "REQUEST_INPUT_LEN": "input_lengths",
+    "REQUEST_OUTPUT_LEN": "request_output_len",
+    "OUT_END_ID": "end_id",
+    "OUT_PAD_ID": "pad_id",
+    "STOP_WORDS_IDS": "stop_words_list",
+    "BAD_WORDS_IDS": "bad_words_list",
+}
 # client input -> engine input, passed through unchanged
 ENGINE_INPUT_OF = {
-    "num_return_sequences": "num_return_sequences", "exclude_input_in_output": "exclude_input_in_output",
-    "top_k": "runtime_top_k", "top_p": "runtime_top_p", "temperature": "temperature",
-    "length_penalty": "len_penalty", "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed",
-    "return_log_probs": "return_log_probs", "return_context_logits": "return_context_logits",
-    "return_generation_logits": "return_generation_logits", "return_perf_metrics": "return_perf_metrics",
-    "return_num_input_tokens": "return_num_input_tokens", "return_num_output_tokens": "return_num_output_tokens",
-    "beam_width": "beam_width", "stream": "streaming"}
+    "num_return_sequences": "num_return_sequences",
+    "exclude_input_in_output": "exclude_input_in_output",
+    "top_k": "runtime_top_k",
+    "top_p": "runtime_top_p",
+    "temperature": "temperature",
+    "length_penalty": "len_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_tokens",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "seed": "seed",
+    "return_log_probs": "return_log_probs",
+    "return_context_logits": "return_context_logits",
+    "return_generation_logits": "return_generation_logits",
+    "return_perf_metrics": "return_perf_metrics",
+    "return_num_input_tokens": "return_num_input_tokens",
+    "return_num_output_tokens": "return_num_output_tokens",
+    "beam_width": "beam_width",
+    "stream": "streaming",
+}
 PASSTHROUGH_OUTPUTS = (
-    "cum_log_probs", "output_log_probs", "context_logits", "generation_logits", "batch_index", "sequence_index",
-    "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns",
-    "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns", "acceptance_rate",
-    "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens", "num_output_tokens")
+    "cum_log_probs",
+    "output_log_probs",
+    "context_logits",
+    "generation_logits",
+    "batch_index",
+    "sequence_index",
+    "kv_cache_alloc_new_blocks",
+    "kv_cache_reused_blocks",
+    "kv_cache_alloc_total_blocks",
+    "arrival_time_ns",
+    "first_scheduled_time_ns",
+    "first_token_time_ns",
+    "last_token_time_ns",
+    "acceptance_rate",
+    "total_accepted_draft_tokens",
+    "total_draft_tokens",
+    "num_input_tokens",
+    "num_output_tokens",
+)
 
 DEFAULT_NUM_DRAFT_TOKENS = 4  # draft-model speculation when the request sends no num_draft_tokens
 FINALIZE_DEADLINE_S = 3.0  # how long unloading waits for running requests
@@ -156,10 +194,14 @@ class CancelWatcher:
 
     def _send_stop(self):
         one = np.array([[1]], dtype=np.int32)
-        inputs = [pb_utils.Tensor("input_lengths", one), pb_utils.Tensor("request_output_len", one),
-                  pb_utils.Tensor("stop", np.array([[True]]))]
-        stop = pb_utils.InferenceRequest(model_name=self.engine_model, request_id=self.inner_id, inputs=inputs,
-                                         requested_output_names=["output_ids"])
+        inputs = [
+            pb_utils.Tensor("input_lengths", one),
+            pb_utils.Tensor("request_output_len", one),
+            pb_utils.Tensor("stop", np.array([[True]])),
+        ]
+        stop = pb_utils.InferenceRequest(
+            model_name=self.engine_model, request_id=self.inner_id, inputs=inputs, requested_output_names=["output_ids"]
+        )
         for _ in stop.exec(decoupled=True):
             pass  # one empty final response
 
@@ -214,47 +256,75 @@ class TritonPythonModel:
         try:
             unknown = unknown_inputs(request)
             if unknown:
-                raise BlsError(f"tensorrt_llm_bls: unknown input(s) {', '.join(map(repr, unknown))}; "
-                               "see the model's inputs at /v2/models/tensorrt_llm_bls/config",
-                               pb_utils.TritonError.INVALID_ARG)
+                raise BlsError(
+                    f"tensorrt_llm_bls: unknown input(s) {', '.join(map(repr, unknown))}; "
+                    "see the model's inputs at /v2/models/tensorrt_llm_bls/config",
+                    pb_utils.TritonError.INVALID_ARG,
+                )
             self._generate(request, reply)
         except BlsError as exc:
             reply.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), exc.code)), flags=FINAL)
         except Exception as exc:  # a bug must still end the request; the server keeps serving others
             traceback.print_exc()
-            reply.send(pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(f"tensorrt_llm_bls: internal error: {type(exc).__name__}: {exc}")),
-                flags=FINAL)
+            reply.send(
+                pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"tensorrt_llm_bls: internal error: {type(exc).__name__}: {exc}")
+                ),
+                flags=FINAL,
+            )
         finally:
             with self.workers_lock:
                 self.workers.discard(threading.current_thread())
 
     def _engine_inputs(self, request):
         """{engine input name: array}: the preprocessed prompt plus the client's sampling inputs."""
-        pre_inputs = [pb_utils.Tensor(inner, value) for outer, inner in PREPROCESSING_INPUT_OF.items()
-                      if (value := _input(request, outer)) is not None]
-        pre = _exec(pb_utils.InferenceRequest(model_name=PREPROCESSING, inputs=pre_inputs,
-                                              requested_output_names=list(ENGINE_INPUT_FROM_PREPROCESSING)))
-        inputs = {inner: pb_utils.get_output_tensor_by_name(pre, outer).as_numpy()
-                  for outer, inner in ENGINE_INPUT_FROM_PREPROCESSING.items()}
-        inputs.update({inner: value for outer, inner in ENGINE_INPUT_OF.items()
-                       if (value := _input(request, outer)) is not None})
+        pre_inputs = [
+            pb_utils.Tensor(inner, value)
+            for outer, inner in PREPROCESSING_INPUT_OF.items()
+            if (value := _input(request, outer)) is not None
+        ]
+        pre = _exec(
+            pb_utils.InferenceRequest(
+                model_name=PREPROCESSING,
+                inputs=pre_inputs,
+                requested_output_names=list(ENGINE_INPUT_FROM_PREPROCESSING),
+            )
+        )
+        inputs = {
+            inner: pb_utils.get_output_tensor_by_name(pre, outer).as_numpy()
+            for outer, inner in ENGINE_INPUT_FROM_PREPROCESSING.items()
+        }
+        inputs.update(
+            {inner: value for outer, inner in ENGINE_INPUT_OF.items() if (value := _input(request, outer)) is not None}
+        )
         return inputs
 
     def _engine_request(self, request, request_id):
         inputs = [pb_utils.Tensor(name, value) for name, value in self._engine_inputs(request).items()]
-        return pb_utils.InferenceRequest(model_name=self.engine_model, inputs=inputs, request_id=request_id,
-                                         requested_output_names=["output_ids", "sequence_length", *PASSTHROUGH_OUTPUTS])
+        return pb_utils.InferenceRequest(
+            model_name=self.engine_model,
+            inputs=inputs,
+            request_id=request_id,
+            requested_output_names=["output_ids", "sequence_length", *PASSTHROUGH_OUTPUTS],
+        )
 
     def _call(self, model, inputs, ids, max_tokens, drafts=()):
         """New token ids from one non-streaming engine call on the sequence `ids`."""
-        call = dict(inputs, input_ids=np.array([ids], dtype=np.int32), input_lengths=np.array([[len(ids)]], dtype=np.int32),
-                    request_output_len=np.array([[max_tokens]], dtype=np.int32),
-                    exclude_input_in_output=np.array([[True]]), streaming=np.array([[False]]))
+        call = dict(
+            inputs,
+            input_ids=np.array([ids], dtype=np.int32),
+            input_lengths=np.array([[len(ids)]], dtype=np.int32),
+            request_output_len=np.array([[max_tokens]], dtype=np.int32),
+            exclude_input_in_output=np.array([[True]]),
+            streaming=np.array([[False]]),
+        )
         if drafts:
             call["draft_input_ids"] = np.array([drafts], dtype=np.int32)
-        request = pb_utils.InferenceRequest(model_name=model, requested_output_names=["output_ids", "sequence_length"],
-                                            inputs=[pb_utils.Tensor(k, v) for k, v in call.items()])
+        request = pb_utils.InferenceRequest(
+            model_name=model,
+            requested_output_names=["output_ids", "sequence_length"],
+            inputs=[pb_utils.Tensor(k, v) for k, v in call.items()],
+        )
         new = []
         for response in request.exec(decoupled=True):
             if response.has_error():
@@ -278,7 +348,11 @@ class TritonPythonModel:
             if reply.cancel_if_asked():
                 return
             remaining = max_tokens - len(out)
-            drafts = self._call(self.draft_model, inputs, prompt + out, min(k, remaining - 1)) if remaining > 1 and k > 0 else []
+            drafts = (
+                self._call(self.draft_model, inputs, prompt + out, min(k, remaining - 1))
+                if remaining > 1 and k > 0
+                else []
+            )
             if end_id in drafts:
                 drafts = drafts[: drafts.index(end_id) + 1]
             new = self._call(self.engine_model, inputs, prompt + out, len(drafts) + 1, drafts)[:remaining]
@@ -297,9 +371,13 @@ class TritonPythonModel:
         return pb_utils.Tensor("text_output", self._detokenize(tokens, np.array([[len(ids)]], dtype=np.int32)))
 
     def _detokenize(self, tokens, lengths):
-        post = _exec(pb_utils.InferenceRequest(
-            model_name=POSTPROCESSING, requested_output_names=["OUTPUT"],
-            inputs=[pb_utils.Tensor("TOKENS_BATCH", tokens), pb_utils.Tensor("SEQUENCE_LENGTH", lengths)]))
+        post = _exec(
+            pb_utils.InferenceRequest(
+                model_name=POSTPROCESSING,
+                requested_output_names=["OUTPUT"],
+                inputs=[pb_utils.Tensor("TOKENS_BATCH", tokens), pb_utils.Tensor("SEQUENCE_LENGTH", lengths)],
+            )
+        )
         return pb_utils.get_output_tensor_by_name(post, "OUTPUT").as_numpy()
 
     def _generate(self, request, reply):
@@ -328,8 +406,11 @@ class TritonPythonModel:
                 tokens = accumulated
                 lengths = np.full(tokens.shape[:2], tokens.shape[-1], dtype=np.int32)
             outputs = [pb_utils.Tensor("text_output", self._detokenize(tokens, lengths))]
-            outputs += [t for name in PASSTHROUGH_OUTPUTS
-                        if (t := pb_utils.get_output_tensor_by_name(response, name)) is not None]
+            outputs += [
+                t
+                for name in PASSTHROUGH_OUTPUTS
+                if (t := pb_utils.get_output_tensor_by_name(response, name)) is not None
+            ]
             if streaming:
                 reply.send(pb_utils.InferenceResponse(output_tensors=outputs))
             else:
