@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from pipeline.errors import USER_ERROR_EXIT_CODE, UserError
 

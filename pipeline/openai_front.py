@@ -20,9 +20,10 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.bench.speed import BenchConfig, VERIFY_TREE_SIZES, run_bench
+from pipeline.bench.speed import VERIFY_TREE_SIZES, BenchConfig, run_bench
 from pipeline.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from pipeline.bench import stats
+from pipeline.bench.prompts import load_prompts
 from pipeline.bench.report import single_stream_ratios, table_rows, write_report
 from pipeline.bench.vllm_server import parse_spec_counters
-from pipeline.bench.prompts import load_prompts
 from pipeline.errors import UserError
 
 # Recorded: a request sent at t=10.0 whose chunks arrived at these times carrying these token counts

@@ -44,11 +44,11 @@ def assert_no_output(out: Path) -> None:
 # ---- Medusa ----
 
 
-def _medusa_source_names(fmt: str, h: int, l: int, layers: int) -> tuple[str, str, str]:
+def _medusa_source_names(fmt: str, h: int, layer: int, layers: int) -> tuple[str, str, str]:
     if fmt == "vllm":
-        return f"blocks.{h}.layers.{l}.weight", f"blocks.{h}.layers.{l}.bias", f"lm_heads.{h}.weight"
+        return f"blocks.{h}.layers.{layer}.weight", f"blocks.{h}.layers.{layer}.bias", f"lm_heads.{h}.weight"
     prefix = "medusa_heads." if fmt == "modelopt" else ""
-    return f"{prefix}{h}.{l}.linear.weight", f"{prefix}{h}.{l}.linear.bias", f"{prefix}{h}.{layers}.weight"
+    return f"{prefix}{h}.{layer}.linear.weight", f"{prefix}{h}.{layer}.linear.bias", f"{prefix}{h}.{layers}.weight"
 
 
 @pytest.mark.parametrize("fmt", ["reference", "reference_pt", "modelopt", "vllm"])
@@ -65,10 +65,10 @@ def test_medusa_formats_convert_per_reference(fmt: str, target, tmp_path: Path) 
     )  # tensors win over config
     src = load_medusa_tensors(medusa_file(heads_dir))
     for h in range(5):
-        for l in range(2):
-            w, b, _ = _medusa_source_names(fmt, h, l, 2)
-            assert torch.equal(t[f"medusa_heads.{h}.medusa_layers.{l}.linear.weight"], src[w])
-            assert torch.equal(t[f"medusa_heads.{h}.medusa_layers.{l}.linear.bias"], src[b])
+        for layer in range(2):
+            w, b, _ = _medusa_source_names(fmt, h, layer, 2)
+            assert torch.equal(t[f"medusa_heads.{h}.medusa_layers.{layer}.linear.weight"], src[w])
+            assert torch.equal(t[f"medusa_heads.{h}.medusa_layers.{layer}.linear.bias"], src[b])
         assert torch.equal(t[f"medusa_heads.{h}.lm_head.weight"], src[_medusa_source_names(fmt, h, 0, 2)[2]])
     base = llama_tensors(target, torch.float32)
     assert all(torch.equal(t[k], v) for k, v in base.items())

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import convert_and_build, stream_by_run_ahead
+
 from pipeline.convert.source import load_hf_model
 from pipeline.engine.runner import Engine, RequestError, SamplingParams
 from pipeline.engine.scheduler import SchedulerConfig

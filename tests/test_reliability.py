@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
-
 from conftest import convert_and_build
+
 from pipeline.client.client import (
     BLS,
     ENGINE_MODEL,

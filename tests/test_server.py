@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import convert_and_build
+
 from pipeline.client.client import (
     BLS,
     ENSEMBLE,

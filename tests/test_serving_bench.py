@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import convert_and_build
+
 from pipeline.bench.serving import MODES, ServingConfig, main
 from pipeline.errors import UserError
 

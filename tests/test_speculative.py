@@ -6,15 +6,15 @@ continuation) exercise full-depth acceptance end to end.
 
 from __future__ import annotations
 
-from dataclasses import replace
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import convert_and_build, stream_by_run_ahead
 from torch import nn
 
-from conftest import convert_and_build, stream_by_run_ahead
 from pipeline.convert.tiny import make_random_eagle, make_random_eagle3, make_random_medusa, make_tiny_model
 from pipeline.engine.config import DynamicTreeConfig, SpecConfig
 from pipeline.engine.eagle import EagleNet, EagleProposer
@@ -296,7 +296,8 @@ def test_shipped_drafts_are_lossless_and_accept(kind, smollm2_source, smollm2_pl
 
 
 def test_sampling_modes_run_and_are_seeded(tiny_llama_dir, plain, tmp_path):
-    """Lossless sampling (EAGLE, draft model) and Medusa typical acceptance: reproducible per seed, greedy still exact."""
+    """Lossless sampling (EAGLE, draft model) and Medusa typical acceptance: reproducible per seed, greedy still
+    exact."""
     vocab = vocab_of(tiny_llama_dir)
     cases = {
         "typical": dict(

@@ -13,9 +13,10 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pipeline.bench.measure import measure_level, warm_up
 from pipeline.bench.our_server import OurServer

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from pipeline.bench import stats
 from pipeline.bench.stream_client import completion_request, run_concurrent, stream_completion

@@ -37,7 +37,7 @@ class OurServer:
     def _specpipe(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "pipeline", *args]
 
-    def __enter__(self) -> "OurServer":
+    def __enter__(self) -> OurServer:
         subprocess.run(
             self._specpipe("triton-repo", "--engine", str(self.engine_dir), "--output", str(self.repo_dir)),
             check=True,

@@ -161,7 +161,7 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
         "results.json as `vllm_acceptance_per_draft`.",
         "- Agreement compares each output with Hugging Face float32 greedy decoding of the same prompt, "
         "both re-tokenized; batched runs can diverge from batch 1 through floating-point order.",
-        f"- The machine's 1-minute load average before each run is in results.json (`load_avg_1min_before`): "
+        "- The machine's 1-minute load average before each run is in results.json (`load_avg_1min_before`): "
         "the cores are shared, so absolute numbers move with other work.",
     ]
     (out / "report.md").write_text("\n".join(lines) + "\n")

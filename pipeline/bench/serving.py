@@ -17,9 +17,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -117,7 +118,7 @@ def run_triton(cfg: ServingConfig, prompts: list[list[int]], work: Path) -> dict
             )
             runs[mode] = time_each(
                 prompts,
-                lambda ids: generate_ids(server.grpc_url, ids, sampling, stream=stream).output_ids,
+                lambda ids, stream=stream: generate_ids(server.grpc_url, ids, sampling, stream=stream).output_ids,
                 f"triton {mode}",
                 torch.device("cpu"),
             )  # the client waits for the server

@@ -23,17 +23,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from pipeline.engine.cpu_threads import on_own_thread
 from pipeline.engine.config import EngineLimits, SpecConfig
+from pipeline.engine.cpu_threads import on_own_thread
 from pipeline.engine.graphs import GraphedTarget
 from pipeline.engine.kernels.routing import DRAFT_TOPK_ENV, LEVELS, attach, level
 from pipeline.engine.model import ModelConfig, Transformer
@@ -198,7 +199,6 @@ def measure_bandwidth(device: torch.device, nbytes: int, repeats: int) -> dict[s
     dst = torch.empty_like(src)
     copy_s = median_seconds(lambda: dst.copy_(src), device, repeats)
     read_s = median_seconds(lambda: src.sum(dtype=torch.float32), device, repeats)
-    del src, dst
     return {"buffer_bytes": nbytes, "copy_gbps": 2 * nbytes / copy_s / GB, "read_gbps": nbytes / read_s / GB}
 
 
@@ -264,7 +264,9 @@ def verify_costs(engine: Engine, prefix_len: int, sizes: tuple[int, ...], repeat
         depths = tree.depths if tree is not None else torch.zeros(1, dtype=torch.long, device=device)
         mask = tree.mask if tree is not None else None
 
-        def step() -> torch.Tensor:  # what a greedy step's verification costs: the pass and its argmax
+        def step(
+            tokens: torch.Tensor = tokens, depths: torch.Tensor = depths, mask: torch.Tensor | None = mask
+        ) -> torch.Tensor:  # what a greedy step's verification costs: the pass and its argmax
             return engine.greedy(engine.forward(tokens, prefix_len, prefix_len + depths, mask).hidden)
 
         out[size] = median_seconds(step, device, repeats * 10, warmup=3)
@@ -526,7 +528,7 @@ def run_group(
         run["stats"].append(result.stats)
 
     for name in names:
-        engine = attempt(name, lambda: warmed(name))
+        engine = attempt(name, lambda name=name: warmed(name))
         if engine is not None:
             engines[name] = engine
             runs[name] = {"outputs": [], "stats": [], "request_s": []}
@@ -534,7 +536,7 @@ def run_group(
         if cfg.budget_s and sum(sum(r["request_s"]) for r in runs.values()) > cfg.budget_s * len(runs):
             break
         for name in list(engines) if i % 2 == 0 else list(engines)[::-1]:
-            attempt(name, lambda: timed(name, ids))
+            attempt(name, lambda name=name, ids=ids: timed(name, ids))
     results = {}
     for name in names:
         if name in failed:

@@ -125,7 +125,7 @@ class VllmServer:
             cmd += ["--speculative-config", json.dumps(self.mode.speculative_config)]
         return cmd
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.options.kv_cache_gib)}
         if self.options.threads_bind:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.options.threads_bind

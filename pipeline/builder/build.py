@@ -82,7 +82,8 @@ class BuildOptions:
             )
         if self.speculative not in (None, "ngram"):
             raise UserError(
-                f"--speculative {self.speculative!r}: only 'ngram' needs no draft weights; other modes come from the checkpoint"
+                f"--speculative {self.speculative!r}: only 'ngram' needs no draft weights; other modes come from the "
+                "checkpoint"
             )
         if self.max_draft_len is not None and self.max_draft_len < 1:
             raise UserError(f"--max-draft-len {self.max_draft_len}: must be >= 1")
@@ -191,7 +192,8 @@ def spec_from_checkpoint(config: dict[str, Any], ckpt_dir: Path, opts: BuildOpti
         ngram = NgramConfig(k=opts.ngram_k, min_n=opts.ngram_min_n, max_n=opts.ngram_max_n)
         if ngram.k < 1 or not 1 <= ngram.min_n <= ngram.max_n:
             raise UserError(
-                f"--ngram-k {ngram.k} / --ngram-min-n {ngram.min_n} / --ngram-max-n {ngram.max_n}: need k >= 1 and 1 <= min_n <= max_n"
+                f"--ngram-k {ngram.k} / --ngram-min-n {ngram.min_n} / --ngram-max-n {ngram.max_n}: need k >= 1 and "
+                "1 <= min_n <= max_n"
             )
         return SpecConfig("ngram", ngram.k, chain(ngram.k), ngram=ngram, acceptance=acceptance)
     return SpecConfig("none", acceptance=acceptance)
@@ -254,7 +256,8 @@ def build_config(opts: BuildOptions, spec: SpecConfig, pretrained: dict[str, Any
         max_seq_len += pretrained.get("num_eagle_layers", DEFAULT_NUM_EAGLE_LAYERS)
         if opts.max_batch_size > EAGLE_MAX_BATCH_SIZE or spec.max_draft_len > EAGLE_MAX_DRAFT_LEN:
             raise UserError(
-                f"EAGLE engines need --max-batch-size <= {EAGLE_MAX_BATCH_SIZE} and max_draft_len <= {EAGLE_MAX_DRAFT_LEN}"
+                f"EAGLE engines need --max-batch-size <= {EAGLE_MAX_BATCH_SIZE} and max_draft_len <= "
+                f"{EAGLE_MAX_DRAFT_LEN}"
             )
     return {
         "max_input_len": opts.max_input_len,

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import queue
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import requests

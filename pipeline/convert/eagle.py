@@ -93,9 +93,11 @@ def drafter_tensors(
     layers = draft["num_hidden_layers"]
     out = map_weights(EAGLE_FC_RULES, weights, 0, where=str(folder))
     out.update(map_weights(EAGLE_LAYER_RULES, weights, layers, where=str(folder)))
-    for l in range(1, layers):
-        if f"layers.{l}.input_layernorm.weight" not in weights:
-            raise UserError(f"{folder}: tensor layers.{l}.input_layernorm.weight is missing (only layer 0 may omit it)")
+    for layer in range(1, layers):
+        if f"layers.{layer}.input_layernorm.weight" not in weights:
+            raise UserError(
+                f"{folder}: tensor layers.{layer}.input_layernorm.weight is missing (only layer 0 may omit it)"
+            )
     return out
 
 
@@ -122,7 +124,8 @@ def add_eagle(
     draft_len = max_draft_len or DEFAULT_EAGLE_DRAFT_LEN
     if num_layers < 1 or not 1 <= draft_len <= MAX_EAGLE_DRAFT_LEN:
         raise UserError(
-            f"--num-eagle-layers {num_layers} / --max-draft-len {draft_len}: need >= 1 and max_draft_len <= {MAX_EAGLE_DRAFT_LEN}"
+            f"--num-eagle-layers {num_layers} / --max-draft-len {draft_len}: need >= 1 and max_draft_len <= "
+            f"{MAX_EAGLE_DRAFT_LEN}"
         )
     net = eagle_net_config(config, draft)
     check_parallel(SimpleNamespace(**net), config["mapping"]["tp_size"], 1, what="EAGLE draft")

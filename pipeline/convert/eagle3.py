@@ -85,7 +85,8 @@ def validate_eagle3(
         )
     if draft["hidden_size"] != target_h and "embed_tokens.weight" not in weights:
         raise UserError(
-            f"{folder}: hidden_size {draft['hidden_size']} differs from the target's {target_h}, so the draft needs embed_tokens.weight"
+            f"{folder}: hidden_size {draft['hidden_size']} differs from the target's {target_h}, so the draft needs "
+            "embed_tokens.weight"
         )
 
 

@@ -6,8 +6,9 @@ the layer index. Tensors come out full (unsharded); shard.py cuts them per rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -20,7 +20,8 @@ DEFAULT_MEDUSA_DRAFT_LEN = 63  # TensorRT-LLM's --max_medusa_token_len default
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
 MODELOPT_PREFIX = "medusa_heads."
 
-# (pattern, what): reference/ModelOpt `{h}.{l}.linear.*`, `{h}.{L}.weight`; vLLM `blocks.{h}.layers.{l}.*`, `lm_heads.{h}.weight`.
+# (pattern, what): reference/ModelOpt `{h}.{l}.linear.*`, `{h}.{L}.weight`;
+# vLLM `blocks.{h}.layers.{l}.*`, `lm_heads.{h}.weight`.
 _REFERENCE_LINEAR = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")
 _REFERENCE_HEAD = re.compile(r"^(\d+)\.(\d+)\.weight$")
 _VLLM_LINEAR = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
@@ -77,12 +78,12 @@ def parse_heads(tensors: dict[str, torch.Tensor], file: Path) -> dict[int, dict[
     num_heads = max(h for h, _ in linear) + 1
     heads: dict[int, dict[str, Any]] = {}
     for h in range(num_heads):
-        layers = sorted(l for hh, l in linear if hh == h)
+        layers = sorted(layer for hh, layer in linear if hh == h)
         if layers != list(range(len(layers))) or not layers:
             raise UserError(f"{file}: head {h} has layers {layers}; expected 0..L-1 for every head")
         lm = heads_lm.get(h, raw_heads.get((h, len(layers)), shared))
         heads[h] = {
-            "linear": [(linear[(h, l)].get("weight"), linear[(h, l)].get("bias")) for l in layers],
+            "linear": [(linear[(h, layer)].get("weight"), linear[(h, layer)].get("bias")) for layer in layers],
             "lm_head": lm,
         }
     return heads
@@ -104,16 +105,16 @@ def medusa_tensors(
     out: dict[str, torch.Tensor] = {}
     filled_lm, zero_bias = [], []
     for h, head in heads.items():
-        for l, (w, b) in enumerate(head["linear"]):
+        for layer, (w, b) in enumerate(head["linear"]):
             if w is None:
-                raise UserError(f"{file}: head {h} layer {l} has a bias but no weight")
+                raise UserError(f"{file}: head {h} layer {layer} has a bias but no weight")
             if b is None:
                 b = torch.zeros(h_size)
                 zero_bias.append(h)
-            _check(file, f"head {h} layer {l} weight", w, (h_size, h_size))
-            _check(file, f"head {h} layer {l} bias", b, (h_size,))
-            out[f"medusa_heads.{h}.medusa_layers.{l}.linear.weight"] = w
-            out[f"medusa_heads.{h}.medusa_layers.{l}.linear.bias"] = b
+            _check(file, f"head {h} layer {layer} weight", w, (h_size, h_size))
+            _check(file, f"head {h} layer {layer} bias", b, (h_size,))
+            out[f"medusa_heads.{h}.medusa_layers.{layer}.linear.weight"] = w
+            out[f"medusa_heads.{h}.medusa_layers.{layer}.linear.bias"] = b
         lm = head["lm_head"]
         if lm is None:
             lm = source.lm_head
@@ -124,7 +125,8 @@ def medusa_tensors(
         print(f"note: {file}: heads {filled_lm} have no lm_head; using the target's lm_head for them")
     if zero_bias:
         print(
-            f"note: {file}: heads {sorted(set(zero_bias))} have no linear bias (vLLM medusa_fc_bias=false); writing zeros"
+            f"note: {file}: heads {sorted(set(zero_bias))} have no linear bias (vLLM medusa_fc_bias=false); writing "
+            "zeros"
         )
     return {k: v.to(dtype).contiguous() for k, v in out.items()}
 
@@ -167,7 +169,8 @@ def add_medusa(
     declared = _declared_heads(Path(path))
     if declared is not None and declared != len(heads):
         print(
-            f"note: {file}: config declares {declared} Medusa heads but the tensors hold {len(heads)}; using the tensors"
+            f"note: {file}: config declares {declared} Medusa heads but the tensors hold {len(heads)}; using the "
+            "tensors"
         )
     if num_heads is not None:
         if not 1 <= num_heads <= len(heads):

@@ -8,8 +8,9 @@ declared once, in SPLIT_RULES, by its TensorRT-LLM name; each cut is a named pai
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -39,7 +40,8 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
 def _chunks(t: torch.Tensor, parts: int, dim: int, name: str) -> list[torch.Tensor]:
     if t.shape[dim] % parts:
         raise UserError(
-            f"tensor {name} has {t.shape[dim]} entries on dim {dim}, not divisible by tp_size {parts}; choose another --tp-size"
+            f"tensor {name} has {t.shape[dim]} entries on dim {dim}, not divisible by tp_size {parts}; choose "
+            "another --tp-size"
         )
     return [c.contiguous() for c in torch.chunk(t, parts, dim=dim)]
 
@@ -204,7 +206,8 @@ def merge_shards(ranks: list[dict[str, torch.Tensor]], config: dict[str, Any]) -
             missing = [r for r, rank in enumerate(group) if local not in rank]
             if missing:
                 raise UserError(
-                    f"tensor {local} is missing from rank{stage * tp + missing[0]}.safetensors; re-run `specpipe convert`"
+                    f"tensor {local} is missing from rank{stage * tp + missing[0]}.safetensors; re-run "
+                    "`specpipe convert`"
                 )
             m = _LAYER.match(local)
             name = f"transformer.layers.{int(m.group(1)) + stage * per_stage}.{m.group(2)}" if m else local

@@ -92,7 +92,8 @@ def load_target(spec: str | Path) -> TargetSource:
     if path.is_file():
         if path.suffix != ".gguf":
             raise UserError(
-                f"{path}: not a .gguf file or a model folder; give a Hugging Face folder, a .gguf file, or {DEFAULT_TARGET!r}"
+                f"{path}: not a .gguf file or a model folder; give a Hugging Face folder, a .gguf file, or "
+                f"{DEFAULT_TARGET!r}"
             )
         model = _load_gguf_model(path, torch.float32)
         config, state_dict = model.config, {k: v.detach() for k, v in model.state_dict().items()}
@@ -155,7 +156,8 @@ def check_architecture(config: Any, path: Path) -> None:
     known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
     if not known and getattr(config, "model_type", None) not in SUPPORTED_ARCHITECTURES.values():
         raise UserError(
-            f"{path}: unsupported architecture (architectures={archs}, model_type={getattr(config, 'model_type', None)!r});"
+            f"{path}: unsupported architecture (architectures={archs}, "
+            f"model_type={getattr(config, 'model_type', None)!r});"
             f" supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     for flag in ("mlp_bias",) + (("attention_bias",) if config.model_type != "qwen2" else ()):

@@ -140,12 +140,12 @@ def make_random_medusa(
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for h in range(heads):
-        for l in range(layers):
+        for layer in range(layers):
             w, b = _randn(gen, hidden, hidden), _randn(gen, hidden)
             if fmt == "vllm":
-                tensors[f"blocks.{h}.layers.{l}.weight"], tensors[f"blocks.{h}.layers.{l}.bias"] = w, b
+                tensors[f"blocks.{h}.layers.{layer}.weight"], tensors[f"blocks.{h}.layers.{layer}.bias"] = w, b
             else:
-                tensors[f"{h}.{l}.linear.weight"], tensors[f"{h}.{l}.linear.bias"] = w, b
+                tensors[f"{h}.{layer}.linear.weight"], tensors[f"{h}.{layer}.linear.bias"] = w, b
         if with_lm_head:
             lm = _randn(gen, vocab, hidden)
             tensors[f"lm_heads.{h}.weight" if fmt == "vllm" else f"{h}.{layers}.weight"] = lm
@@ -229,10 +229,10 @@ def make_random_eagle(
     out_dir.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     tensors = {"fc.weight": _randn(gen, hidden, 2 * hidden), "fc.bias": _randn(gen, hidden)}
-    for l in range(layers):
-        tensors.update(_decoder_layer(gen, f"layers.{l}.", hidden, inter, heads, kv_heads, head_dim, hidden))
-        if l > 0:
-            tensors[f"layers.{l}.input_layernorm.weight"] = 1.0 + torch.randn(hidden, generator=gen) * NORM_JITTER
+    for layer in range(layers):
+        tensors.update(_decoder_layer(gen, f"layers.{layer}.", hidden, inter, heads, kv_heads, head_dim, hidden))
+        if layer > 0:
+            tensors[f"layers.{layer}.input_layernorm.weight"] = 1.0 + torch.randn(hidden, generator=gen) * NORM_JITTER
     if with_embedding:
         tensors["embed_tokens.weight"] = _randn(gen, vocab, hidden)
     config = _draft_config(hidden, vocab, inter, heads, kv_heads, head_dim, layers, bias=True)

@@ -82,7 +82,7 @@ class SpecConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SpecConfig":
+    def from_dict(cls, d: dict[str, Any]) -> SpecConfig:
         d = dict(d)
         if d.get("dynamic_tree"):
             d["dynamic_tree"] = DynamicTreeConfig(**d["dynamic_tree"])
@@ -124,7 +124,7 @@ class EngineDir:
         return self.path / DRAFT_DIR
 
     @classmethod
-    def load(cls, path: str | Path) -> "EngineDir":
+    def load(cls, path: str | Path) -> EngineDir:
         path = Path(path)
         if not path.is_dir():
             raise UserError(f"{path}: engine folder not found; build one with `specpipe build` or `make build-engines`")

@@ -9,8 +9,9 @@ decoding on 2 cores took 43 ms a token that way, 35 ms with the decoding thread'
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 

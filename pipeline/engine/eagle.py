@@ -22,12 +22,12 @@ from pipeline.engine.config import DynamicTreeConfig
 from pipeline.engine.graphs import CapturedStep, Compiled, prefill_bucket
 from pipeline.engine.kernels.routing import Drafter
 from pipeline.engine.model import (
+    MLP,
     Attention,
     DecoderLayer,
     ForwardContext,
     KVCache,
     Linear,
-    MLP,
     ModelConfig,
     RMSNorm,
     Rotary,
@@ -265,7 +265,8 @@ class EagleProposer:
         offsets: torch.Tensor,
         rows: torch.Tensor,
     ) -> torch.Tensor:
-        """Draft pass over nodes at tree slots length + offsets; rows [n, tree_slots] says which tree slots each sees."""
+        """Draft pass over nodes at tree slots length + offsets; rows [n, tree_slots] says which tree slots each
+        sees."""
         positions = (length + depth - 1).expand(tokens.shape[0])
         ctx = full_slot_context(self.cache, self.net.rotary, length, positions, length + offsets, rows, self.slot_ids)
         return self.net(tokens[None], features[None], ctx)[0]

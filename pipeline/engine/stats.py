@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 
 @dataclass
@@ -38,7 +39,7 @@ class SpecStats:
             for a, d in zip(self.accepted_per_depth + [0] * len(self.drafted_per_depth), self.drafted_per_depth)
         ]
 
-    def merge(self, other: "SpecStats") -> None:
+    def merge(self, other: SpecStats) -> None:
         self.steps += other.steps
         self.draft_tokens += other.draft_tokens
         self.accepted_tokens += other.accepted_tokens
@@ -46,7 +47,7 @@ class SpecStats:
         _add(self.accepted_per_depth, other.accepted_per_depth)
 
     @classmethod
-    def total(cls, many: Iterable["SpecStats"]) -> "SpecStats":
+    def total(cls, many: Iterable[SpecStats]) -> SpecStats:
         out = cls()
         for s in many:
             out.merge(s)

@@ -9,9 +9,9 @@ Everything the verifier needs (attention mask, position offsets, retrieval paths
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -127,7 +127,8 @@ def parse_choices(spec: str | Choices) -> Choices:
         return [[int(x) for x in path] for path in value]
     except (ValueError, SyntaxError, TypeError):
         raise UserError(
-            f"tree choices {spec!r}: not a preset ({', '.join(PRESETS)}), chain:N, or a list of paths like [[0], [0, 0], [1]]"
+            f"tree choices {spec!r}: not a preset ({', '.join(PRESETS)}), chain:N, or a list of paths like "
+            "[[0], [0, 0], [1]]"
         ) from None
 
 
@@ -154,7 +155,8 @@ def validate_choices(
         )
     if max_draft_len is not None and len(choices) > max_draft_len:
         raise UserError(
-            f"{what}: {len(choices)} nodes exceed max_draft_len {max_draft_len}; use a smaller tree or raise --max-draft-len"
+            f"{what}: {len(choices)} nodes exceed max_draft_len {max_draft_len}; use a smaller tree or raise "
+            "--max-draft-len"
         )
 
 
@@ -178,7 +180,7 @@ class TreeBuffers:
     def num_nodes(self) -> int:
         return self.parents.shape[0]
 
-    def to(self, device: torch.device | str) -> "TreeBuffers":
+    def to(self, device: torch.device | str) -> TreeBuffers:
         return TreeBuffers(
             self.parents.to(device),
             self.depths.to(device),
@@ -295,7 +297,7 @@ class DraftTree:
     @classmethod
     def from_buffers(
         cls, tokens: torch.Tensor, buffers: TreeBuffers, draft_probs: torch.Tensor | None = None
-    ) -> "DraftTree":
+    ) -> DraftTree:
         return cls(tokens, buffers.parents, buffers.depths, buffers.mask, buffers.max_depth, draft_probs)
 
 

@@ -14,9 +14,9 @@ import dataclasses
 import importlib.util
 import json
 import random
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -130,7 +130,7 @@ class PromptSet:
                 )
 
     @classmethod
-    def load(cls, folder: Path) -> "PromptSet":
+    def load(cls, folder: Path) -> PromptSet:
         path = folder / PROMPT_FILE
         if not path.is_file():
             raise UserError(f"{path}: prompt file not found; make it with `specpipe train prompts`")
@@ -146,7 +146,7 @@ class PromptSet:
             prompts, teacher_forced=rows, teacher_forced_prompt_lens=data["prompt_lens"].tolist()
         )
 
-    def limited(self, train: int, held_out: int, teacher_forced: int) -> "PromptSet":
+    def limited(self, train: int, held_out: int, teacher_forced: int) -> PromptSet:
         """The first rows of each part (a smoke test's data)."""
         return dataclasses.replace(
             self,

@@ -82,7 +82,7 @@ class PackedRows:
     starts: torch.Tensor  # [N] where each row begins in `flat`
 
     @classmethod
-    def zeros(cls, lengths: torch.Tensor, dim: int, dtype: torch.dtype, device) -> "PackedRows":
+    def zeros(cls, lengths: torch.Tensor, dim: int, dtype: torch.dtype, device) -> PackedRows:
         starts = torch.cumsum(lengths, 0) - lengths
         return cls(torch.zeros(int(lengths.sum()), dim, dtype=dtype, device=device), starts.to(device))
 
@@ -97,7 +97,7 @@ class PackedRows:
         index, inside = self.positions(rows, lengths, width)
         return self.flat[index].masked_fill_(~inside[..., None], 0)
 
-    def to(self, device) -> "PackedRows":
+    def to(self, device) -> PackedRows:
         return PackedRows(self.flat.to(device), self.starts.to(device))
 
 
@@ -112,7 +112,7 @@ class DistillSet:
     aux: torch.Tensor | PackedRows | None = None
 
     @classmethod
-    def from_sequences(cls, seqs: list[list[int]], prompt_lens: list[int], pad_id: int) -> "DistillSet":
+    def from_sequences(cls, seqs: list[list[int]], prompt_lens: list[int], pad_id: int) -> DistillSet:
         width = max(map(len, seqs))
         tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
         for row, s in enumerate(seqs):
@@ -120,7 +120,7 @@ class DistillSet:
         return cls(tokens, torch.tensor([len(s) for s in seqs]), torch.tensor(prompt_lens))
 
     @classmethod
-    def concat(cls, parts: list["DistillSet"], pad_id: int) -> "DistillSet":
+    def concat(cls, parts: list[DistillSet], pad_id: int) -> DistillSet:
         """The rows of every part, in order, re-padded to the widest (tokens only: features come after)."""
         seqs = [t[: int(n)].tolist() for d in parts for t, n in zip(d.tokens, d.lengths)]
         return cls.from_sequences(seqs, torch.cat([d.prompt_lens for d in parts]).tolist(), pad_id)
@@ -133,13 +133,13 @@ class DistillSet:
     def num_generated(self) -> int:
         return int((self.lengths - self.prompt_lens).sum())
 
-    def to(self, device: str) -> "DistillSet":
+    def to(self, device: str) -> DistillSet:
         move = lambda t: None if t is None else t.to(device)  # a tensor or PackedRows
         return DistillSet(
             move(self.tokens), move(self.lengths), move(self.prompt_lens), move(self.features), move(self.aux)
         )
 
-    def subset(self, rows: torch.Tensor) -> "DistillSet":
+    def subset(self, rows: torch.Tensor) -> DistillSet:
         width = int(self.lengths[rows].max())
 
         def pick(t: torch.Tensor | PackedRows | None) -> torch.Tensor | None:
@@ -167,7 +167,7 @@ class DistillSet:
         os.replace(partial, path)
 
     @classmethod
-    def load_tokens(cls, path, pad_id: int) -> "DistillSet":
+    def load_tokens(cls, path, pad_id: int) -> DistillSet:
         return cls.from_sequences(*read_tokens(path), pad_id)
 
 

@@ -12,9 +12,9 @@ import shutil
 import tarfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file

@@ -39,7 +39,7 @@ def load_target(gguf: Path, device: str) -> nn.Module:
 
 def rope_theta(config) -> float:
     params = getattr(config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta") or getattr(config, "rope_theta"))
+    return float(params.get("rope_theta") or config.rope_theta)
 
 
 def layer_shape(config) -> LayerShape:
@@ -61,7 +61,7 @@ class FrozenHead:
     lm_head: torch.Tensor  # [V, H]
 
     @classmethod
-    def of(cls, model: nn.Module) -> "FrozenHead":
+    def of(cls, model: nn.Module) -> FrozenHead:
         return cls(model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach())
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:

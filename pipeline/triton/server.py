@@ -177,7 +177,7 @@ class StubWatchdog(threading.Thread):
     inside the dead stub get no answer from Triton; clients need a deadline for those.
     """
 
-    def __init__(self, server: "TritonServer"):
+    def __init__(self, server: TritonServer):
         super().__init__(daemon=True, name="stub-watchdog")
         self.server = server
         self.stopping = threading.Event()
@@ -249,7 +249,7 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{LOCALHOST}:{self.ports.metrics}/metrics"
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         self.start()
         return self
 

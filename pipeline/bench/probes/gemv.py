@@ -98,9 +98,9 @@ def main(shape: str) -> None:
         r = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(n, device="cuda", dtype=torch.bfloat16)
         mb = n * k * 2 / 1e6
-        gbs = lambda us: mb / us * 1e3
+        gbs = lambda us, mb=mb: mb / us * 1e3
         ref = F.linear(x.float(), ws[0].float())
-        t_cublas = timed(lambda i: F.linear(x[None], ws[i % copies]), reps)
+        t_cublas = timed(lambda i, x=x, ws=ws, copies=copies: F.linear(x[None], ws[i % copies]), reps)
         line = f"{name:<8}{mb:7.1f} MB  cublas {t_cublas:6.1f} ({gbs(t_cublas):4.0f})"
         results = {}
         for fused in (False, True):
@@ -109,7 +109,22 @@ def main(shape: str) -> None:
                 continue
             for rows, cols, warps in SWEEP:
 
-                def run(i, rows=rows, cols=cols, warps=warps, norm=norm, res=res):
+                def run(
+                    i,
+                    rows=rows,
+                    cols=cols,
+                    warps=warps,
+                    norm=norm,
+                    res=res,
+                    ws=ws,
+                    copies=copies,
+                    x=x,
+                    y=y,
+                    g=g,
+                    r=r,
+                    n=n,
+                    k=k,
+                ):
                     _gemv_kernel[(triton.cdiv(n, rows),)](
                         ws[i % copies],
                         x,
@@ -142,6 +157,7 @@ def main(shape: str) -> None:
         totals["triton"] += per_token * results[(False, *engine)]
         totals["fused"] += per_token * results.get((True, *engine), results[(False, *engine)])
         print(line, flush=True)
+        del run  # its defaults hold this shape's copies
         ws = []  # free this shape's copies before the next shape's
     products = sum(per_token for _, _, per_token, _ in MODEL_SHAPES[shape].values())
     print(

@@ -107,8 +107,8 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             mb = n * k * 2 / 1e6
-            gbs = lambda us: mb / us * 1e3
-            t_cublas = timed(lambda i: F.linear(x, ws[i % copies]))
+            gbs = lambda us, mb=mb: mb / us * 1e3
+            t_cublas = timed(lambda i, x=x, ws=ws, copies=copies: F.linear(x, ws[i % copies]))
             ref = F.linear(x.float(), ws[0].float())
             times = {}
             for config in SWEEP:
@@ -119,7 +119,9 @@ def main() -> None:
                     continue
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 assert err < 2e-2, (name, m, config, err)
-                times[config] = timed(lambda i, c=config: tree_gemm(x, ws[i % copies], y, *c))
+                times[config] = timed(
+                    lambda i, c=config, x=x, ws=ws, copies=copies, y=y: tree_gemm(x, ws[i % copies], y, *c)
+                )
                 per_config[config] += per_pass * times[config]
             best = min(times, key=times.get)
             totals["cublas"] += per_pass * t_cublas
@@ -171,9 +173,9 @@ def mlp(shape: str) -> None:
         r = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(m, INTERMEDIATE, device="cuda", dtype=torch.bfloat16)
         want = engine_mlp(x, up[0], down[0], r).float()
-        t_base = timed(lambda i: compiled(x, up[i % copies], down[i % copies], r))
-        t_up = timed(lambda i: F.linear(x, up[i % copies]))
-        t_down = timed(lambda i: F.linear(g, down[i % copies]))
+        t_base = timed(lambda i, x=x, r=r: compiled(x, up[i % copies], down[i % copies], r))
+        t_up = timed(lambda i, x=x: F.linear(x, up[i % copies]))
+        t_down = timed(lambda i, g=g: F.linear(g, down[i % copies]))
         print(
             f"{m} rows: compiled cuBLAS MLP {t_base:.1f} us a layer ({mb / t_base * 1e3:.0f} GB/s); its GEMMs "
             f"alone gate/up {t_up:.1f}, down {t_down:.1f}",
@@ -186,9 +188,9 @@ def mlp(shape: str) -> None:
                 field = "rows_gemm_gated_tile" if gated else "rows_gemm_tile"
                 tuning = dataclasses.replace(DEFAULT_TUNING, **{field: tile})
                 run = (
-                    (lambda i, t=tuning: rows_gemm(x, up[i % copies], gated=True, tuning=t))
+                    (lambda i, t=tuning, x=x: rows_gemm(x, up[i % copies], gated=True, tuning=t))
                     if gated
-                    else (lambda i, t=tuning: rows_gemm(g, down[i % copies], residual=r, tuning=t))
+                    else (lambda i, t=tuning, g=g, r=r: rows_gemm(g, down[i % copies], residual=r, tuning=t))
                 )
                 try:
                     run(0)
@@ -203,7 +205,7 @@ def mlp(shape: str) -> None:
                 flush=True,
             )
 
-        def fused_mlp(i: int, tuning: KernelTuning) -> torch.Tensor:
+        def fused_mlp(i: int, tuning: KernelTuning, x: torch.Tensor = x, r: torch.Tensor = r) -> torch.Tensor:
             h = rows_gemm(x, up[i % copies], gated=True, tuning=tuning)
             return rows_gemm(h, down[i % copies], residual=r, tuning=tuning)
 
@@ -272,7 +274,7 @@ def layer(shape: str, tokens: int, wide_k: bool = False) -> None:
     sweep = (*sorted(engine_tiles), *WIDE_K_SWEEP) if wide_k else LAYER_SWEEP
     for name, (run, kind, inp) in runs.items():
         n_copies, reps = copies[name], max(REPS, copies[name])
-        t_cublas = timed(lambda i: F.linear(inp, ws[name][i % n_copies]), reps)
+        t_cublas = timed(lambda i, w=ws[name], inp=inp, n=n_copies: F.linear(inp, w[i % n]), reps)
         times = {}
         for tile in sweep:
             tuning = dataclasses.replace(DEFAULT_TUNING, **{TILE_NAMES[kind]: tile})
@@ -280,7 +282,7 @@ def layer(shape: str, tokens: int, wide_k: bool = False) -> None:
                 run(ws[name][0], tuning)
             except triton.runtime.errors.OutOfResources:
                 continue
-            times[tile] = timed(lambda i, t=tuning: run(ws[name][i % n_copies], t), reps)
+            times[tile] = timed(lambda i, t=tuning, run=run, w=ws[name], n=n_copies: run(w[i % n], t), reps)
             per_tile.setdefault(kind, {}).setdefault(tile, 0.0)
             per_tile[kind][tile] += times[tile]
         top = sorted(times, key=times.get)[:6]
