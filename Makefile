@@ -90,11 +90,15 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?=
 VERIFY_PROMPTS ?= 4
 VERIFY_MAX_TOKENS ?= 32
+# Serving options stored in the repository (specpipe triton-repo --help): a GPU batches up to 64 requests.
+SERVE_FLAGS_cpu :=
+SERVE_FLAGS_cuda := --max-batch-size 64
+SERVE_FLAGS ?= $(SERVE_FLAGS_$(DEVICE))
 .PHONY: triton-repo serve verify
 
 triton-repo: setup
 	test -f $(ENGINE)/config.json || $(MAKE) build-engines TARGET=$(TARGET) DRAFT=$(DRAFT)
-	$(SPECPIPE) triton-repo --engine $(ENGINE) --output $(REPO) --device $(DEVICE)
+	$(SPECPIPE) triton-repo --engine $(ENGINE) --output $(REPO) --device $(DEVICE) $(SERVE_FLAGS)
 
 # Runs until Ctrl-C; OPENAI_PORT=P also serves the OpenAI-compatible API.
 serve: triton-repo
@@ -168,6 +172,15 @@ bench: setup
 BENCH_DECODE_ARGS ?= --num-prompts 2 --hf-prompts 2 --max-tokens 64
 bench-decode: setup
 	$(SPECPIPE) bench --device cpu --suites smollm2 --methods plain $(BENCH_DECODE_ARGS)
+
+# make bench-serving: the concurrency sweep of ENGINE (default: the plain SmolLM2 engine) on DEVICE, in-process
+# and through tritonserver (gRPC streaming), greedy and at temperature 0.7; writes bench/load-*.json and .png.
+SERVING_ENGINE ?= $(ENGINES)/$(patsubst %.gguf,%,$(notdir $(TARGET)))
+BENCH_SERVING_ARGS ?= --temperatures 0,0.7 --triton
+.PHONY: bench-serving
+bench-serving: setup
+	test -f $(SERVING_ENGINE)/config.json || $(MAKE) build-engines TARGET=$(TARGET) DRAFT=
+	$(BIN)/python -m pipeline.bench.load --engine $(SERVING_ENGINE) --device $(DEVICE) $(BENCH_SERVING_ARGS)
 
 # --- Soak (not in CI) --------------------------------------------------------------------------
 # make soak [SOAK_MINUTES=10] [SOAK_CONCURRENCY=16]: mixed normal, cancelled and bad requests through

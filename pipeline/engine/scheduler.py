@@ -19,7 +19,7 @@ import random
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -45,6 +45,20 @@ class SchedulerConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens an iteration prefills at most
     cache: CacheBudget = field(default_factory=CacheBudget)
     batched: bool = True  # False: a plain engine serves one request at a time, like a speculative one
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "SchedulerConfig":
+        """From flat options (the serve flags' names with underscores: max_batch_size, max_queue,
+        prefill_chunk, kv_cache_fraction, max_num_tokens, kv_block_size); UserError for an unknown one."""
+        cache_keys = {"kv_cache_fraction": "kv_cache_fraction", "max_num_tokens": "max_num_tokens",
+                      "kv_block_size": "block_size"}
+        own = {"max_batch_size", "max_queue", "prefill_chunk"}
+        unknown = set(options) - own - set(cache_keys)
+        if unknown:
+            raise UserError(f"serving option(s) {', '.join(sorted(unknown))}: unknown; use "
+                            f"{', '.join(sorted(own | set(cache_keys)))}")
+        cache = CacheBudget(**{cache_keys[k]: v for k, v in options.items() if k in cache_keys})
+        return cls(cache=cache, **{k: v for k, v in options.items() if k in own})
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_queue", "prefill_chunk"):

@@ -25,6 +25,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     repo.add_argument("--engine", required=True, help="engine directory (from `specpipe build`)")
     repo.add_argument("--output", default=DEFAULT_REPO, help=f"repository folder to write (default {DEFAULT_REPO})")
     repo.add_argument("--device", default="cpu", help="device of the portable engine model (cpu, cuda)")
+    serving = repo.add_argument_group("serving (portable engine; stored in the repository)")
+    serving.add_argument("--max-batch-size", type=int, help="requests a step runs at once (default: the engine's)")
+    serving.add_argument("--max-queue", type=int, help="requests waiting before new ones get 'busy, retry'")
+    serving.add_argument("--prefill-chunk", type=int, help="prompt tokens prefilled between two decode steps")
+    serving.add_argument("--kv-cache-fraction", type=float, help="share of free GPU memory for the KV cache pool")
+    serving.add_argument("--max-num-tokens", type=int, help="KV cache pool size in tokens (instead of the fraction)")
+    serving.add_argument("--kv-block-size", type=int, help="tokens per KV cache block")
     repo.set_defaults(func=run_triton_repo)
 
     serve = sub.add_parser("serve", help="run tritonserver on a model repository until Ctrl-C")
@@ -38,8 +45,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=run_serve)
 
 
+SERVING_OPTIONS = ("max_batch_size", "max_queue", "prefill_chunk", "kv_cache_fraction", "max_num_tokens", "kv_block_size")
+
+
 def run_triton_repo(args: argparse.Namespace) -> int:
-    out = write_repository(args.engine, args.output, args.device)
+    serving = {k: getattr(args, k) for k in SERVING_OPTIONS if getattr(args, k) is not None}
+    out = write_repository(args.engine, args.output, args.device, serving)
     print(f"wrote Triton model repository {out} (models: {', '.join(sorted(p.name for p in out.iterdir() if p.is_dir()))})")
     return 0
 

@@ -8,12 +8,15 @@ decoupled Python-backend model that drives `pipeline.engine.runner.Engine`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from pipeline.engine.config import EngineDir
+from pipeline.engine.scheduler import SchedulerConfig
 from pipeline.engine.tree import MC_SIM_7B_63, choices_to_triton
 from pipeline.errors import UserError, atomic_output_dir
 from pipeline.triton import tensors as T
@@ -32,6 +35,7 @@ TRTLLM_EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorW
 TRTLLM_DECODING_MODE = {"medusa": "medusa", "eagle": "eagle"}
 DEFAULT_DECODING_MODE = "top_k_top_p"
 BACKENDS = ("portable", "trtllm")
+SERVING_PARAMETER = "serving"  # the engine model's SchedulerConfig options, as JSON
 
 
 def _tensor(t: T.Tensor, cls: type) -> object:
@@ -68,10 +72,14 @@ def postprocessing_config(engine: EngineDir) -> mc.ModelConfig:
                   {"tokenizer_dir": str(engine.tokenizer_dir), "skip_special_tokens": "true"})
 
 
-def portable_engine_config(engine: EngineDir, device: str, name: str = ENGINE_MODEL) -> mc.ModelConfig:
-    return _model(name, engine.limits.max_batch_size, T.ENGINE_INPUTS, T.ENGINE_OUTPUTS,
-                  {"engine_dir": str(engine.path), "device": device, "exclude_input_in_output": "false"},
-                  decoupled=True)
+def portable_engine_config(engine: EngineDir, device: str, name: str = ENGINE_MODEL,
+                           serving: dict[str, Any] | None = None) -> mc.ModelConfig:
+    """The engine model; `serving` (SchedulerConfig options: batch, queue, KV cache budget) rides along as
+    one JSON parameter when given."""
+    parameters = {"engine_dir": str(engine.path), "device": device, "exclude_input_in_output": "false"}
+    if serving:
+        parameters[SERVING_PARAMETER] = json.dumps(serving, sort_keys=True)
+    return _model(name, engine.limits.max_batch_size, T.ENGINE_INPUTS, T.ENGINE_OUTPUTS, parameters, decoupled=True)
 
 
 def trtllm_engine_parameters(engine_path: Path, engine: EngineDir) -> dict[str, str]:
@@ -157,7 +165,7 @@ def _model_source(name: str) -> str:
 REPOSITORY_README = (Path(__file__).parent / "REPOSITORY_README.md").read_text()
 
 
-def repository_files(engine: EngineDir, device: str = "cpu") -> dict[str, str]:
+def repository_files(engine: EngineDir, device: str = "cpu", serving: dict[str, Any] | None = None) -> dict[str, str]:
     """Every file of the repository as {relative path: text}; empty text for `ensemble/1/.keep`."""
     if engine.backend not in BACKENDS:
         raise UserError(f"{engine.path / 'specpipe.json'}: backend {engine.backend!r} is unknown; "
@@ -183,7 +191,7 @@ def repository_files(engine: EngineDir, device: str = "cpu") -> dict[str, str]:
                 trtllm_engine_config(DRAFT_ENGINE_MODEL, engine.draft_dir, engine))
             files[f"{DRAFT_ENGINE_MODEL}/1/.keep"] = ""
     else:
-        files[f"{ENGINE_MODEL}/config.pbtxt"] = _pbtxt(portable_engine_config(engine, device))
+        files[f"{ENGINE_MODEL}/config.pbtxt"] = _pbtxt(portable_engine_config(engine, device, serving=serving))
         files[f"{ENGINE_MODEL}/1/model.py"] = _model_source(ENGINE_MODEL)
         if draft_model_name:
             draft = EngineDir.load(engine.draft_dir)
@@ -193,9 +201,12 @@ def repository_files(engine: EngineDir, device: str = "cpu") -> dict[str, str]:
     return dict(sorted(files.items()))
 
 
-def write_repository(engine_dir: str | Path, output: str | Path, device: str = "cpu") -> Path:
+def write_repository(engine_dir: str | Path, output: str | Path, device: str = "cpu",
+                     serving: dict[str, Any] | None = None) -> Path:
     engine = EngineDir.load(Path(engine_dir).resolve())
-    files = repository_files(engine, device)
+    if serving:
+        SchedulerConfig.from_options(serving)  # a bad option fails here, not when the server loads the model
+    files = repository_files(engine, device, serving)
     with atomic_output_dir(output) as tmp:
         for rel, text in files.items():
             path = tmp / rel

@@ -26,6 +26,7 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.engine.runner import Engine, RequestError, SamplingParams
 from pipeline.engine.sampling import EngineBusy
+from pipeline.engine.scheduler import SchedulerConfig
 
 # The Python backend's response path is not safe under concurrent sends from several threads
 # (seen: boost lock_exception and a segfault in libtriton_python with 4 streams): one lock for all.
@@ -114,7 +115,9 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config["parameters"].items()}
-        self.engine = Engine.from_dir(params["engine_dir"], device=params["device"])
+        serving = SchedulerConfig.from_options(json.loads(params.get("serving") or "{}"))
+        self.engine = Engine.from_dir(params["engine_dir"], device=params["device"], serving=serving)
+        print(f"specpipe: {args['model_name']} serves {json.dumps(self.engine.capacity)}", flush=True)
         self.exclude_input_default = params["exclude_input_in_output"].lower() in ("true", "1")
         threading.stack_size(WORKER_STACK_BYTES)
         self.workers = set()
