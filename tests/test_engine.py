@@ -36,6 +36,13 @@ def tiny_llama_engine(tiny_llama_dir: Path, tmp_path_factory) -> Engine:
     return Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path_factory.mktemp("plain")))
 
 
+@pytest.fixture(scope="module")
+def serial_engine(tiny_llama_dir: Path, tmp_path_factory) -> Engine:
+    """The plain engine off the scheduler's batches: the single-stream loop speculative engines use."""
+    engine_dir = convert_and_build(tiny_llama_dir, tmp_path_factory.mktemp("serial"))
+    return Engine.from_dir(engine_dir, serving=SchedulerConfig(batched=False))
+
+
 @pytest.mark.parametrize("arch,tp,pp", [("llama", 1, 1), ("llama", 2, 1), ("llama", 2, 2), ("qwen2", 2, 1)])
 def test_tiny_greedy_matches_hugging_face(arch, tp, pp, tiny_llama_dir, tiny_qwen2_dir, tmp_path):
     folder = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
@@ -204,12 +211,12 @@ def test_a_padded_prefill_replay_matches_the_eager_prefill(tiny_llama_engine):
         torch.testing.assert_close(reading_pads, after_eager[0])
 
 
-def test_a_refused_prompt_graph_falls_back_to_the_eager_pass(tiny_llama_engine, monkeypatch, capsys):
-    """The engine with CUDA's graph objects run directly: the same tokens through the padded prompt
-    replay, and after a capture the device refuses, through the eager pass (with one line on stderr)."""
+def test_a_refused_prompt_graph_falls_back_to_the_eager_pass(serial_engine, monkeypatch, capsys):
+    """The single-stream loop with CUDA's graph objects run directly: the same tokens through the padded
+    prompt replay, and after a capture the device refuses, through the eager pass (with one line on stderr)."""
     from pipeline.engine.graphs import GraphedTarget
 
-    engine = tiny_llama_engine
+    engine = serial_engine
     ids = engine.tokenizer(PROMPTS[1]).input_ids
     params = SamplingParams(max_tokens=12, end_id=-1)
     expected = engine.generate(ids, params).token_ids
