@@ -45,11 +45,11 @@ def at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def path_to(node: torch.Tensor, tree: DraftTree) -> torch.Tensor:
     """[D+1] node indices from the root down to `node` (a 0-d tensor), padded with `node`."""
     steps = tree.max_depth + 1
-    walk = [node.view(1)]
+    steps_up = [node.view(1)]
     up = tree.parents.clamp(min=0)  # the root maps to itself
     for _ in range(tree.max_depth):
-        walk.append(up[walk[-1]])
-    walk = torch.cat(walk)  # node, parent, grandparent, ..., root, root
+        steps_up.append(up[steps_up[-1]])
+    walk = torch.cat(steps_up)  # node, parent, grandparent, ..., root, root
     depth = at(tree.depths, node)
     offsets = torch.arange(steps, device=node.device)
     return walk[(depth - offsets).clamp(min=0)]

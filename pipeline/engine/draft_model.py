@@ -41,7 +41,8 @@ class DraftModelProposer:
         return self.draft.logits(hidden[0, -1:])
 
     def propose(self, step: StepInput) -> DraftTree:
-        unseen = torch.tensor(step.history[self.valid : step.length + 1], device=self.device)
+        length = int(step.length)  # a host int: this proposer does not run ahead
+        unseen = torch.tensor(step.history[self.valid : length + 1], device=self.device)
         logits = self._feed(unseen, self.valid)
         tokens, probs = [step.root], []
         for i in range(self.k):
@@ -53,12 +54,20 @@ class DraftModelProposer:
                 probs.append(q)
             tokens.append(token)
             if i + 1 < self.k:
-                logits = self._feed(token, step.length + 1 + i)
-        self.valid = step.length + self.k  # root and the first k-1 guesses are cached
+                logits = self._feed(token, length + 1 + i)
+        self.valid = length + self.k  # root and the first k-1 guesses are cached
         draft_probs = None
         if probs:
             draft_probs = torch.cat([torch.zeros_like(probs[0])] + probs)  # the root was not drafted
         return DraftTree.from_buffers(torch.cat(tokens), self.chain, draft_probs)
 
-    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int, target: TargetPass, length: int) -> None:
-        self.valid = min(self.valid, length + num_accepted + 1)
+    def update(
+        self,
+        tree: DraftTree,
+        acc: Acceptance,
+        num_accepted: int | torch.Tensor,
+        target: TargetPass,
+        length: int | torch.Tensor,
+    ) -> None:
+        # host ints: this proposer does not run ahead
+        self.valid = min(self.valid, int(length) + int(num_accepted) + 1)

@@ -90,6 +90,8 @@ class Eagle3Layer(nn.Module):
 class Eagle3Net(Drafter, nn.Module):
     """EAGLE-3 draft: fuses three target layers with fc, own final norm, optional reduced vocabulary."""
 
+    d2t: torch.Tensor  # a buffer: draft id -> target id - draft id
+
     def __init__(self, cfg: ModelConfig, capture_layers: tuple[int, ...], draft_vocab: int, fc_bias: bool = False):
         super().__init__()
         self.cfg = cfg
@@ -134,7 +136,7 @@ class Eagle3Net(Drafter, nn.Module):
         return logp, ids + self.d2t[ids]
 
 
-def new_draft_cache(net: nn.Module, slots: int) -> KVCache:
+def new_draft_cache(net: EagleNet | Eagle3Net, slots: int) -> KVCache:
     cfg, p = net.cfg, net.lm_head.weight
     return KVCache.allocate(net.num_cache_layers, 1, slots, cfg.num_kv_heads, cfg.head_size, p.dtype, p.device)
 
@@ -169,6 +171,7 @@ class EagleProposer:
             self.levels = [torch.nonzero(tree.depths == d).flatten() for d in range(tree.max_depth + 1)]
             tree_slots = tree.num_nodes - 1  # node i >= 1 drafts at slot length + i - 1
         else:
+            assert dynamic is not None, "an EAGLE proposer needs a static tree or a dynamic one"
             self.depth = dynamic.depth
             self.width = min(dynamic.top_k, dynamic.max_non_leaves_per_layer)
             self.width_offsets = torch.arange(self.width, device=device)
@@ -249,6 +252,7 @@ class EagleProposer:
         ctx = full_slot_context(
             self.cache, self.net.rotary, self.length, positions, positions, self.causal, self.slot_ids
         )
+        assert self.pending_features is not None  # allocated by start()
         hidden = self.net(self.pending_tokens[None], self.pending_features[None], ctx)[0]
         root_hidden = hidden.index_select(0, self.num_pending.view(1) - 1)  # [1, H] guesses the root's children
         length = self.length + self.num_pending
@@ -273,6 +277,7 @@ class EagleProposer:
 
     def _static(self, root_hidden: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         tree = self.tree
+        assert tree is not None
         num = tree.num_nodes
         tokens = torch.empty(num, dtype=torch.long, device=root_hidden.device)
         tokens[:1] = self.root
@@ -294,6 +299,7 @@ class EagleProposer:
 
     def _dynamic(self, root_hidden: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cfg, device, width = self.dynamic, root_hidden.device, self.width
+        assert cfg is not None
         k = cfg.top_k
         score, token = (t[0] for t in self.net.top_logp(root_hidden, k))
         cand_tokens, cand_scores = [token], [score]

@@ -268,7 +268,9 @@ class GraphedTarget:
         key = (tree.num_nodes, tree.max_depth)
         if key not in self.trees:
             x = DraftTree(
-                *(torch.zeros_like(t) for t in (tree.tokens, tree.parents, tree.depths)),
+                torch.zeros_like(tree.tokens),
+                torch.zeros_like(tree.parents),
+                torch.zeros_like(tree.depths),
                 torch.ones_like(tree.mask),
                 tree.max_depth,
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from torch import nn
 from pipeline.engine.config import EngineDir, SpecConfig
 from pipeline.engine.draft_model import DraftModelProposer
 from pipeline.engine.eagle import Eagle3Net, EagleNet, EagleProposer
-from pipeline.engine.medusa import MedusaProposer, medusa_heads
+from pipeline.engine.medusa import MedusaHead, MedusaProposer, medusa_heads
 from pipeline.engine.model import ModelConfig, Transformer
 from pipeline.engine.ngram import NgramProposer
 from pipeline.engine.runner import Engine, prepare_kernels
@@ -74,6 +75,7 @@ def make_proposer(
     if spec.mode == "none":
         return None
     if spec.mode == "ngram":
+        assert spec.ngram is not None  # SpecConfig sets it for ngram
         return NgramProposer(spec.ngram, device)
     if spec.mode == "medusa":
         heads = medusa_heads(
@@ -87,11 +89,14 @@ def make_proposer(
         # Heads trained on the frozen LM head carry copies of the target's (the checkpoint format wants one
         # a head): equal in the engine's dtype, they share the target's module and its one product a step.
         target_head = target.lm_head.weight
-        shared = all(torch.equal(h.lm_head.weight.to(target_head), target_head) for h in heads)
+        own_heads = [h for h in heads if isinstance(h, MedusaHead)]
+        shared = all(
+            h.lm_head is not None and torch.equal(h.lm_head.weight.to(target_head), target_head) for h in own_heads
+        )
         if shared:
-            for head in heads:
+            for head in own_heads:
                 head.lm_head = None
-        tree = None if spec.dynamic_tree else build_tree(spec.choices).to(device)
+        tree = None if spec.dynamic_tree else build_tree(_choices(spec)).to(device)
         return MedusaProposer(
             _ready(heads, device, dtype),
             tree,
@@ -123,14 +128,24 @@ def max_positions(engine: EngineDir) -> int:
     return engine.limits.max_seq_len + engine.limits.max_draft_len + 1
 
 
-def _ready(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def _choices(spec: SpecConfig) -> list[list[int]]:
+    assert spec.choices is not None  # SpecConfig sets a static tree's choices
+    return spec.choices
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def _ready(module: M, device: torch.device, dtype: torch.dtype) -> M:
     module = module.to(device, dtype).eval()
     prepare_kernels(module)
     return module
 
 
-def _eagle(net: nn.Module, spec: SpecConfig, slots: int, device: torch.device, dtype: torch.dtype) -> EagleProposer:
-    tree = None if spec.dynamic_tree else build_tree(spec.choices).to(device)
+def _eagle(
+    net: EagleNet | Eagle3Net, spec: SpecConfig, slots: int, device: torch.device, dtype: torch.dtype
+) -> EagleProposer:
+    tree = None if spec.dynamic_tree else build_tree(_choices(spec)).to(device)
     return EagleProposer(_ready(net, device, dtype), slots, tree, spec.dynamic_tree, spec.max_draft_len)
 
 

@@ -44,6 +44,7 @@ class MedusaHead(nn.Module):
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "a head without its LM head feeds MedusaProposer's shared one"
         return self.lm_head(self.features(x))
 
 
@@ -75,7 +76,11 @@ class MedusaProposer:
         SmolLM2's are 453 MB of reads a step beside the target's 540 (Medusa 10.6 -> 11.5 tok/s)."""
         self.tree, self.dynamic = tree, dynamic
         self.max_draft_len = tree.num_nodes - 1 if tree is not None else max_draft_len
-        depth = tree.max_depth if tree is not None else min(dynamic.depth, len(heads))
+        if tree is not None:
+            depth = tree.max_depth
+        else:
+            assert dynamic is not None, "a Medusa proposer needs a static tree or a dynamic one"
+            depth = min(dynamic.depth, len(heads))
         self.heads = heads[:depth]  # deeper heads have no node to fill
         self.lm_head = lm_head
         if tree is not None:
@@ -83,10 +88,15 @@ class MedusaProposer:
             self.node_head = (tree.depths - 1).clamp(min=0)
             self.max_nodes = tree.num_nodes
         else:
+            assert dynamic is not None
             self.top_k = dynamic.top_k
             self.width = min(dynamic.top_k, dynamic.max_non_leaves_per_layer)
             self.max_nodes = max_draft_len + 1
-        weight = (lm_head or self.heads[0].lm_head).weight
+        first = self.heads[0]
+        assert isinstance(first, MedusaHead)
+        shared = lm_head or first.lm_head
+        assert shared is not None, "the heads' own LM heads were dropped for a shared one"
+        weight = shared.weight
         self.vocab_size = weight.shape[0]
         self.hidden = weight.new_zeros(1, weight.shape[1])  # [1, H] hidden state of the last accepted token
         # A dynamic tree's top-k's through EAGLE's kernels where they run (CUDA, half precision): the heads'
@@ -134,7 +144,7 @@ class MedusaProposer:
         tokens = self.guesses()[self.node_head, self.tree.ranks]
         return DraftTree.from_buffers(torch.cat([self.root, tokens[1:]]), self.tree)
 
-    def _dynamic(self) -> tuple[torch.Tensor, ...]:
+    def _dynamic(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Candidates depth by depth, each frontier node taking head d's top-k as its children (the heads
         see only the root's hidden state, so every parent gets the same ones); the `width` best of a depth
         are the next frontier, as in EAGLE-2, and select_tree keeps the max_draft_len best of all."""

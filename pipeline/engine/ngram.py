@@ -45,5 +45,12 @@ class NgramProposer:
         tokens = torch.cat([step.root, torch.tensor(guess, dtype=torch.long, device=self.device)])
         return DraftTree.from_buffers(tokens, self.chains[len(guess)])
 
-    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int, target: TargetPass, length: int) -> None:
+    def update(
+        self,
+        tree: DraftTree,
+        acc: Acceptance,
+        num_accepted: int | torch.Tensor,
+        target: TargetPass,
+        length: int | torch.Tensor,
+    ) -> None:
         pass

@@ -215,9 +215,9 @@ def tree_from_ranks(ranks: torch.Tensor, num_paths: int, max_rank: int) -> tuple
     """
     n, depth = ranks.shape
     scored: dict[tuple[int, ...], float] = {}
-    frontier = {(): torch.ones(n, dtype=torch.bool)}
+    frontier: dict[tuple[int, ...], torch.Tensor] = {(): torch.ones(n, dtype=torch.bool)}
     for d in range(depth):
-        nxt = {}
+        nxt: dict[tuple[int, ...], torch.Tensor] = {}
         for path, rows in frontier.items():
             for r in range(max_rank):
                 hit = rows & (ranks[:, d] == r)
@@ -249,7 +249,7 @@ def expected_acceptance(ranks: torch.Tensor, choices: Choices) -> float:
 def build_tree(choices: Choices) -> TreeBuffers:
     """Lay choices out as a tree: root first, then paths sorted by (depth, ranks) as Medusa does."""
     ordered = sorted((tuple(p) for p in choices), key=lambda p: (len(p), p))
-    index = {(): 0}
+    index: dict[tuple[int, ...], int] = {(): 0}
     parents, depths, ranks = [-1], [0], [0]
     for path in ordered:
         index[path] = len(parents)
@@ -261,11 +261,12 @@ def build_tree(choices: Choices) -> TreeBuffers:
     max_depth = max(depths)
     paths = []
     for leaf in leaves:
-        path, node = [], leaf
+        up: list[int] = []
+        node = leaf
         while node >= 0:
-            path.append(node)
+            up.append(node)
             node = parents[node]
-        paths.append(path[::-1] + [-1] * (max_depth + 1 - len(path)))
+        paths.append(up[::-1] + [-1] * (max_depth + 1 - len(up)))
     parents_t = torch.tensor(parents, dtype=torch.long)
     return TreeBuffers(
         parents=parents_t,
@@ -331,7 +332,7 @@ def select_tree(
     max_draft_len: int,
     max_depth: int,
     topk: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = torch.topk,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A dynamic tree (EAGLE-2's selection) from candidates whose parents are candidate ids (-1: the root)
     and whose scores are path log-probabilities: the max_draft_len best, ordered by depth, under `root`.
     Returns (tokens, parents, depths, ancestor mask), the root at node 0. `topk` does both sorts (a

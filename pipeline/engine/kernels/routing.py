@@ -152,11 +152,11 @@ def attach(
     attentions = [m for m in model.modules() if isinstance(m, Attention) and m.qkv.weight.device.type in device_types]
     slot_attention = None
     if kernels != "off" and attentions:
-        from pipeline.engine.kernels.attention import slot_attention as kernel
+        from pipeline.engine.kernels.attention import slot_attention as attention_kernel
 
-        slot_attention = _tuned(kernel, tuning)
-    for m in attentions:
-        m.slot_attention = slot_attention if power_of_two(m.head_size) else None
+        slot_attention = _tuned(attention_kernel, tuning)
+    for att in attentions:
+        att.slot_attention = slot_attention if power_of_two(att.head_size) else None
 
     def eligible(lin: Linear) -> bool:
         return lin.weight.device.type in device_types and lin.weight.dtype in HALF_DTYPES
@@ -165,14 +165,14 @@ def attach(
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer) and eligible(m.mlp.proj)]
     gemv = None
     if kernels != "off" and linears:
-        from pipeline.engine.kernels.gemv import gemv as kernel
+        from pipeline.engine.kernels.gemv import gemv as gemv_kernel
 
-        gemv = _tuned(kernel, tuning)
-    for m in linears:
-        m.gemv = gemv
+        gemv = _tuned(gemv_kernel, tuning)
+    for lin in linears:
+        lin.gemv = gemv
     fused = [m for m in layers if kernels == "fused" and fusable(m)]
-    for m in layers:
-        m.fused = _tuned(fused_layer, tuning) if m in fused else None
+    for layer in layers:
+        layer.fused = _tuned(fused_layer, tuning) if layer in fused else None
     return {
         "gemv_layers": len(linears) if gemv else 0,
         "fused_layers": len(fused),
