@@ -40,9 +40,13 @@ def check(device: str) -> None:
         got = paged_decode_attention(q, pool.k[0], pool.v[0], table, length, block)
         keys, values = pool.gather(0, table, max(lengths))
         visible = torch.arange(max(lengths), device=device)[None, :] < length[:, None]
-        want = F.scaled_dot_product_attention(q[:, :, None].float(), keys.transpose(1, 2).float(),
-                                              values.transpose(1, 2).float(), attn_mask=visible[:, None, None],
-                                              enable_gqa=True)[:, :, 0]
+        want = F.scaled_dot_product_attention(
+            q[:, :, None].float(),
+            keys.transpose(1, 2).float(),
+            values.transpose(1, 2).float(),
+            attn_mask=visible[:, None, None],
+            enable_gqa=True,
+        )[:, :, 0]
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     print("ok")

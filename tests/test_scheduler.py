@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import convert_and_build
+
 from pipeline.engine.kv_cache import CacheBudget
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import EngineBusy, RequestError, SamplingParams, sample_rows, target_probs
@@ -86,8 +86,10 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(engine):
     hot = SamplingParams(max_tokens=16, temperature=1.3, top_p=0.9, seed=7, end_id=-1)
     first = engine.generate(ids, hot).token_ids
     assert engine.generate(ids, hot).token_ids == first
-    seeds = {tuple(engine.generate(ids, SamplingParams(max_tokens=16, temperature=1.3, seed=s, end_id=-1)).token_ids)
-             for s in range(4)}
+    seeds = {
+        tuple(engine.generate(ids, SamplingParams(max_tokens=16, temperature=1.3, seed=s, end_id=-1)).token_ids)
+        for s in range(4)
+    }
     assert len(seeds) > 1
 
 
@@ -148,8 +150,11 @@ def test_a_bad_request_is_refused_and_the_batch_around_it_is_unaffected(engine):
     errors = []
 
     def bad() -> None:
-        for params in (SamplingParams(temperature=float("nan")), SamplingParams(seed=-1),
-                       SamplingParams(temperature=float("inf"))):
+        for params in (
+            SamplingParams(temperature=float("nan")),
+            SamplingParams(seed=-1),
+            SamplingParams(temperature=float("inf")),
+        ):
             with pytest.raises(RequestError) as err:
                 list(engine.stream([1, 2], params))
             errors.append(str(err.value))
@@ -168,17 +173,34 @@ def test_the_device_sampler_draws_from_the_filtered_distribution():
     torch.manual_seed(0)
     logits = torch.randn(12) * 2
     draws = 20000
-    for p in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.5, top_k=4),
-              SamplingParams(temperature=1.0, top_p=0.7)):
+    for p in (
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.5, top_k=4),
+        SamplingParams(temperature=1.0, top_p=0.7),
+    ):
         rows = torch.ones(draws)
-        tokens = sample_rows(logits.expand(draws, -1), rows * p.temperature, (rows * p.top_k).long(), rows * p.top_p,
-                             torch.full((draws,), 5), torch.arange(draws), filtered=True)  # one draw a position
+        tokens = sample_rows(
+            logits.expand(draws, -1),
+            rows * p.temperature,
+            (rows * p.top_k).long(),
+            rows * p.top_p,
+            torch.full((draws,), 5),
+            torch.arange(draws),
+            filtered=True,
+        )  # one draw a position
         freq = torch.bincount(tokens, minlength=12) / draws
         want = target_probs(logits[None], p)[0]
         assert (freq - want).abs().max() < 0.015, (p, freq, want)
         assert freq[want == 0].sum() == 0
-    greedy = sample_rows(logits.expand(3, -1), torch.zeros(3), torch.zeros(3, dtype=torch.long), torch.ones(3),
-                         torch.tensor([1, 2, 3]), torch.zeros(3, dtype=torch.long), filtered=True)
+    greedy = sample_rows(
+        logits.expand(3, -1),
+        torch.zeros(3),
+        torch.zeros(3, dtype=torch.long),
+        torch.ones(3),
+        torch.tensor([1, 2, 3]),
+        torch.zeros(3, dtype=torch.long),
+        filtered=True,
+    )
     assert torch.equal(greedy, logits.argmax().expand(3))
 
 
@@ -188,7 +210,8 @@ PAGED_KERNEL_CHECK = Path(__file__).with_name("paged_kernel_check.py")
 def test_the_paged_decode_kernel_matches_the_gathered_attention():
     """The CUDA kernel under Triton's interpreter on CPU tensors, rows of different lengths and tables."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(PAGED_KERNEL_CHECK)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(PAGED_KERNEL_CHECK)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok" in done.stdout

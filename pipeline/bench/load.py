@@ -23,15 +23,17 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from pipeline.bench.prompts import load_prompts
 from pipeline.bench.speed import SEED, SHAPES, _IdsOnly, device_tag, environment, random_model, save_json
 from pipeline.engine.config import EngineLimits, SpecConfig
+from pipeline.engine.model import Transformer
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.scheduler import SchedulerConfig
@@ -81,6 +83,7 @@ def in_process_client(engine: Engine) -> Client:
                 tokens += len(chunk.token_ids)
                 last = now
         return Timing(ttft, gaps, time.perf_counter() - start, tokens)
+
     return run
 
 
@@ -88,18 +91,29 @@ def triton_client(url: str) -> Client:
     from pipeline.client.client import Sampling, generate_ids
 
     def run(ids: list[int], params: SamplingParams) -> Timing:
-        reply = generate_ids(url, ids, Sampling(max_tokens=params.max_tokens, temperature=params.temperature or None,
-                                                seed=params.seed, end_id=IGNORE_END), stream=True)
+        reply = generate_ids(
+            url,
+            ids,
+            Sampling(
+                max_tokens=params.max_tokens,
+                temperature=params.temperature or None,
+                seed=params.seed,
+                end_id=IGNORE_END,
+            ),
+            stream=True,
+        )
         tokens = len(reply.output_ids)
         per_chunk = max(1, reply.responses - 1)
         share = (tokens - 1) / per_chunk if tokens > 1 else 1
         gaps = [g / share for g in reply.inter_token_latencies_s for _ in range(round(share))]
         return Timing(reply.ttft_s, gaps, reply.total_s, tokens)
+
     return run
 
 
-def run_level(client: Client, prompts: list[list[int]], concurrency: int, params: SamplingParams,
-              min_requests: int) -> dict[str, Any]:
+def run_level(
+    client: Client, prompts: list[list[int]], concurrency: int, params: SamplingParams, min_requests: int
+) -> dict[str, Any]:
     total = max(2 * concurrency, min_requests)
     lock = threading.Lock()
     queue = list(range(total))
@@ -134,8 +148,14 @@ def run_level(client: Client, prompts: list[list[int]], concurrency: int, params
     tokens = sum(t.tokens for t in timings)
     ttft = [t.ttft_s * 1e3 for t in timings]
     itl = [g * 1e3 for t in timings for g in t.gaps_s]
-    out: dict[str, Any] = {"concurrency": concurrency, "requests": len(timings), "errors": errors,
-                           "output_tokens": tokens, "seconds": wall, "output_tokens_per_s": tokens / wall}
+    out: dict[str, Any] = {
+        "concurrency": concurrency,
+        "requests": len(timings),
+        "errors": errors,
+        "output_tokens": tokens,
+        "seconds": wall,
+        "output_tokens_per_s": tokens / wall,
+    }
     for q in PERCENTILES:
         out[f"ttft_ms_p{q}"] = percentile(ttft, q)
         out[f"itl_ms_p{q}"] = percentile(itl, q)
@@ -144,16 +164,25 @@ def run_level(client: Client, prompts: list[list[int]], concurrency: int, params
     return out
 
 
-def sweep(client: Client, prompts: list[list[int]], levels: tuple[int, ...], params: SamplingParams,
-          min_requests: int, label: str) -> list[dict[str, Any]]:
+def sweep(
+    client: Client,
+    prompts: list[list[int]],
+    levels: tuple[int, ...],
+    params: SamplingParams,
+    min_requests: int,
+    label: str,
+) -> list[dict[str, Any]]:
     client(prompts[0], SamplingParams(max_tokens=8, end_id=IGNORE_END))  # first-use costs out of the numbers
     rows = []
     for c in levels:
         row = run_level(client, prompts, c, params, min_requests)
         rows.append(row)
-        print(f"{label:>24}  C={c:>3}  {row['output_tokens_per_s']:9.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:8.1f} "
-              f"p99 {row['ttft_ms_p99']:8.1f} ms  ITL p50 {row['itl_ms_p50']:6.2f} p99 {row['itl_ms_p99']:6.2f} ms"
-              + (f"  errors {len(row['errors'])}" if row["errors"] else ""), flush=True)
+        print(
+            f"{label:>24}  C={c:>3}  {row['output_tokens_per_s']:9.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:8.1f} "
+            f"p99 {row['ttft_ms_p99']:8.1f} ms  ITL p50 {row['itl_ms_p50']:6.2f} p99 {row['itl_ms_p99']:6.2f} ms"
+            + (f"  errors {len(row['errors'])}" if row["errors"] else ""),
+            flush=True,
+        )
     return rows
 
 
@@ -200,8 +229,10 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
     if args.shape:
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
         model = random_model(SHAPES[args.shape], torch.device(args.device), dtype)
-        limits = EngineLimits(args.max_batch_size or SHAPE_LIMITS.max_batch_size, SHAPE_LIMITS.max_input_len,
-                              SHAPE_LIMITS.max_seq_len, 0)
+        assert isinstance(model, Transformer)
+        limits = EngineLimits(
+            args.max_batch_size or SHAPE_LIMITS.max_batch_size, SHAPE_LIMITS.max_input_len, SHAPE_LIMITS.max_seq_len, 0
+        )
         engine = Engine(model, _IdsOnly(), limits, SpecConfig(), serving=serving)
         engine.warm_up(tuple(1.0 if t else 0.0 for t in args.temperatures))
         return engine, f"{args.shape}-random", None
@@ -219,12 +250,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperatures", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.0,))
     p.add_argument("--min-requests", type=int, default=MIN_REQUESTS)
     p.add_argument("--num-prompts", type=int, default=80)
-    p.add_argument("--prompt-ids", type=Path, default=None,
-                   help="JSON list of prompts' token ids (with --shape; see --write-prompt-ids)")
-    p.add_argument("--write-prompt-ids", type=Path, default=None,
-                   help="with --engine: write its tokenizer's ids of the prompts there, then stop")
+    p.add_argument(
+        "--prompt-ids",
+        type=Path,
+        default=None,
+        help="JSON list of prompts' token ids (with --shape; see --write-prompt-ids)",
+    )
+    p.add_argument(
+        "--write-prompt-ids",
+        type=Path,
+        default=None,
+        help="with --engine: write its tokenizer's ids of the prompts there, then stop",
+    )
     p.add_argument("--max-batch-size", type=int, default=None)
-    p.add_argument("--single-stream", action="store_true", help="a plain engine off the batches (one request at a time)")
+    p.add_argument(
+        "--single-stream", action="store_true", help="a plain engine off the batches (one request at a time)"
+    )
     p.add_argument("--triton", action="store_true", help="also through the bundled tritonserver (gRPC streaming)")
     p.add_argument("--output", type=Path, default=Path("bench"))
     args = p.parse_args(argv)
@@ -237,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if tokenizer is None:
         if args.prompt_ids is None:
             raise SystemExit("--shape needs --prompt-ids FILE (written by --engine DIR --write-prompt-ids FILE)")
-        prompts = json.loads(args.prompt_ids.read_text())[:args.num_prompts]
+        prompts = json.loads(args.prompt_ids.read_text())[: args.num_prompts]
     else:
         from pipeline.engine.cli import prompt_ids
 
@@ -260,20 +301,32 @@ def main(argv: list[str] | None = None) -> int:
             for row in rows:
                 row["floor_step_ms"] = floor(row["concurrency"])
                 row["step_over_floor"] = row["itl_ms_p50"] / row["floor_step_ms"]
-                print(f"C={row['concurrency']:>3}: step (ITL p50) {row['itl_ms_p50']:.3f} ms, bytes floor "
-                      f"{row['floor_step_ms']:.3f} ms: {row['step_over_floor']:.2f}x", flush=True)
+                print(
+                    f"C={row['concurrency']:>3}: step (ITL p50) {row['itl_ms_p50']:.3f} ms, bytes floor "
+                    f"{row['floor_step_ms']:.3f} ms: {row['step_over_floor']:.2f}x",
+                    flush=True,
+                )
     args.output.mkdir(parents=True, exist_ok=True)
     stem = f"load-{label}-{device_tag(torch.device(args.device))}-{datetime.date.today().isoformat()}"
-    save_json(args.output / f"{stem}.json", {"label": label, "device": args.device, "max_tokens": args.max_tokens,
-                                             "capacity": engine.capacity, "environment": environment(torch.device(args.device)),
-                                             "results": results})
+    save_json(
+        args.output / f"{stem}.json",
+        {
+            "label": label,
+            "device": args.device,
+            "max_tokens": args.max_tokens,
+            "capacity": engine.capacity,
+            "environment": environment(torch.device(args.device)),
+            "results": results,
+        },
+    )
     plot(results, args.output / f"{stem}.png", f"{label}, {args.device}, {args.max_tokens} new tokens")
     print(f"wrote {args.output / stem}.json and .png")
     return 0
 
 
-def run_triton(args: argparse.Namespace, prompts: list[list[int]], levels: tuple[int, ...]
-               ) -> dict[str, list[dict[str, Any]]]:
+def run_triton(
+    args: argparse.Namespace, prompts: list[list[int]], levels: tuple[int, ...]
+) -> dict[str, list[dict[str, Any]]]:
     from pipeline.triton.repo import write_repository
     from pipeline.triton.server import TritonServer, free_ports
 

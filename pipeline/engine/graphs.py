@@ -219,6 +219,7 @@ class GraphedTarget:
         x.tokens.copy_(tokens)
         x.positions.copy_(positions)
         if t > 1:  # one token's mask is [[True]] whatever the caller passes, and was made so
+            assert tree_mask is not None, "a step of several tokens needs its tree mask"
             x.tree_mask.copy_(tree_mask)
         return self.graphs[t]()
 

@@ -42,8 +42,10 @@ class CacheBudget:
         per_sequence = -(-max_seq_len // self.block_size)
         if self.max_num_tokens is not None:
             if self.max_num_tokens < max_seq_len:
-                raise UserError(f"--max-num-tokens {self.max_num_tokens} holds less than one sequence of this engine's "
-                                f"max_seq_len {max_seq_len}; raise it, or rebuild the engine with a smaller --max-seq-len")
+                raise UserError(
+                    f"--max-num-tokens {self.max_num_tokens} holds less than one sequence of this engine's "
+                    f"max_seq_len {max_seq_len}; raise it, or rebuild the engine with a smaller --max-seq-len"
+                )
             blocks = -(-self.max_num_tokens // self.block_size)
         else:
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else self.cpu_bytes
@@ -54,8 +56,16 @@ class CacheBudget:
 class BlockPool:
     """K and V of every layer as [layers, blocks * block_size, kv_heads, head_size], with a free list."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_size: int,
-                 dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
         shape = (num_layers, num_blocks * block_size, kv_heads, head_size)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

@@ -9,8 +9,9 @@ siblings share a position but never a slot.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from torch import nn
 from pipeline.engine.kv_cache import BlockPool, PagedView
 from pipeline.errors import UserError
 
-SUPPORTED_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+SUPPORTED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu}
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class ModelConfig:
     mlp_bias: bool = False
 
     @classmethod
-    def from_pretrained_config(cls, cfg: dict[str, Any], tensor_names: set[str] | None = None) -> "ModelConfig":
+    def from_pretrained_config(cls, cfg: dict[str, Any], tensor_names: set[str] | None = None) -> ModelConfig:
         """Read TensorRT-LLM's LLaMA config fields; biases follow the tensors actually present."""
         names = tensor_names or set()
         heads = cfg["num_attention_heads"]
@@ -75,7 +76,7 @@ def rope_inv_freq(head_size: int, theta: float, scaling: dict[str, Any] | None) 
     """Inverse frequencies for RoPE, with Hugging Face's `linear` and `llama3` scalings."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.float64) / head_size))
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    if kind == "default":
+    if kind == "default" or scaling is None:
         return inv_freq
     factor = float(scaling["factor"])
     if kind == "linear":
@@ -93,6 +94,9 @@ def rope_inv_freq(head_size: int, theta: float, scaling: dict[str, Any] | None) 
 
 class Rotary(nn.Module):
     """cos/sin tables for every position, gathered per token (positions may repeat in a tree)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
 
     def __init__(self, head_size: int, theta: float, scaling: dict[str, Any] | None, max_positions: int):
         super().__init__()
@@ -125,8 +129,16 @@ class KVCache:
         self.k, self.v = k, v
 
     @classmethod
-    def allocate(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_size: int,
-                 dtype: torch.dtype, device: torch.device | str) -> "KVCache":
+    def allocate(
+        cls,
+        num_layers: int,
+        batch: int,
+        slots: int,
+        kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCache:
         shape = (num_layers, batch, slots, kv_heads, head_size)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
@@ -134,7 +146,7 @@ class KVCache:
     def num_slots(self) -> int:
         return self.k.shape[2]
 
-    def rows(self, start: int, stop: int) -> "KVCache":
+    def rows(self, start: int, stop: int) -> KVCache:
         """A view of batch rows [start, stop): writes through it land in this cache."""
         return KVCache(self.k[:, start:stop], self.v[:, start:stop])
 
@@ -178,7 +190,7 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose single-token products may go through our GEMV kernel (set by fused.attach on
+    """nn.Linear whose single-token products may go through our GEMV kernel (set by kernels.routing.attach on
     CUDA), and whose CPU products go through oneDNN (set by onednn.pack); otherwise F.linear."""
 
     gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -195,7 +207,7 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
-    # fused_kernels.slot_attention when fused.attach routed this layer's graph-step attention to it
+    # kernels.attention.slot_attention when kernels.routing.attach routed this layer's graph-step attention to it
     slot_attention: Callable[..., torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig, in_features: int | None = None):
@@ -205,7 +217,7 @@ class Attention(nn.Module):
         self.qkv = Linear(in_features or cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
         self.dense = Linear(cfg.num_heads * cfg.head_size, cfg.hidden_size, bias=cfg.dense_bias)
 
-    def forward(self, x: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.rotate_and_store(self.qkv(x), ctx, layer)
         if ctx.paged is not None:
@@ -213,43 +225,58 @@ class Attention(nn.Module):
         if self.slot_attention is not None and ctx.region is not None:  # reads only the slots in use
             out = self.slot_attention(q[0], ctx.cache.k[layer, 0], ctx.cache.v[layer, 0], *ctx.visible_slots())
             return self.dense(out.view(b, t, -1))
+        assert isinstance(ctx.cache, KVCache), "a block pool is read through ctx.paged"
         keys, values = ctx.cache.read(layer, ctx.attn_len)
         q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
         if q.is_cuda and self.num_kv_heads != self.num_heads and not ctx.is_causal:
             out = grouped_query_attention(q, keys, values, ctx.mask)
         else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, is_causal=ctx.is_causal,
-                                                 enable_gqa=self.num_kv_heads != self.num_heads)
+            out = F.scaled_dot_product_attention(
+                q,
+                keys,
+                values,
+                attn_mask=ctx.mask,
+                is_causal=ctx.is_causal,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )
         return self.dense(out.transpose(1, 2).reshape(b, t, -1))
 
-    def paged_attention(self, q: torch.Tensor, paged: PagedView, mask: torch.Tensor | None,
-                        layer: int) -> torch.Tensor:
+    def paged_attention(self, q: torch.Tensor, paged: PagedView, mask: torch.Tensor | None, layer: int) -> torch.Tensor:
         """q [B, T, H, D] over each row's cached sequence in the block pool -> [B, T, H, D]. One token a row
         on CUDA goes through the paged kernel; otherwise each row's sequence is gathered for SDPA."""
         pool = paged.pool
         if q.is_cuda and q.shape[1] == 1 and self.head_size & (self.head_size - 1) == 0:
             from pipeline.engine.paged_attention import paged_decode_attention
 
-            out = paged_decode_attention(q[:, 0], pool.k[layer], pool.v[layer], paged.table, paged.lengths,
-                                         pool.block_size)
+            out = paged_decode_attention(
+                q[:, 0], pool.k[layer], pool.v[layer], paged.table, paged.lengths, pool.block_size
+            )
             return out[:, None]
         keys, values = pool.gather(layer, paged.table, paged.attn_len)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
         return out.transpose(1, 2)
 
-    def rotate_and_store(self, qkv: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
+    def rotate_and_store(self, qkv: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         """qkv [B, T, (H + 2 Hkv) D]: rotates q and k, writes k and v to the cache; returns q [B, T, H, D]."""
         b, t, _ = qkv.shape
         rotated = self.num_heads + self.num_kv_heads  # q and k heads sit side by side: one rotary call
         qk, v = qkv.split([rotated * self.head_size, self.num_kv_heads * self.head_size], -1)
         q, k = ctx.rotary(qk.view(b, t, rotated, self.head_size), ctx.positions).split(
-            [self.num_heads, self.num_kv_heads], 2)
+            [self.num_heads, self.num_kv_heads], 2
+        )
         ctx.cache.write(layer, ctx.slots, k, v.view(b, t, self.num_kv_heads, self.head_size))
         return q
 
 
-def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def grouped_query_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
     """q [B, H, T, D] over k, v [B, Hkv, S, D]: each kv head's query group folded into its rows.
 
     On CUDA, SDPA with enable_gqa and a mask falls back to a path that copies K and V once per
@@ -280,8 +307,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    # fused.fused_layer when fused.attach routed this layer's steps to the kernels
-    fused: Callable[["DecoderLayer", torch.Tensor, "ForwardContext", int], torch.Tensor] | None = None
+    # kernels.routing.fused_layer when kernels.routing.attach routed this layer's steps to the kernels
+    fused: Callable[[DecoderLayer, torch.Tensor, ForwardContext, int], torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig, input_norm: bool = True):
         super().__init__()
@@ -291,7 +318,7 @@ class DecoderLayer(nn.Module):
         self.post_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         if self.fused is not None and ctx.paged is None:
             return self.fused(self, x, ctx, layer)
         x = x + self.attention(self.input_layernorm(x), ctx, layer)
@@ -316,11 +343,12 @@ class ForwardContext:
     paged: PagedView | None = None  # rows of a batch reading the block pool through their block tables
 
     def visible_slots(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(length, rows) for fused_kernels.slot_attention. One token whose region is its own slot
+        """(length, rows) for kernels.attention.slot_attention. One token whose region is its own slot
         (every decode step), or a context without a region, reads every slot up to its own: (its
         slot, None), no mask to load. Every builder here lets a single token see exactly those."""
         if self.region is None or self.region.shape == (1, 1):
             return self.slots.view(-1)[:1], None
+        assert self.length is not None, "a context with a region carries its length"
         return self.length, self.region
 
 
@@ -329,12 +357,13 @@ def attention_mask(prefix_len: int, tree_mask: torch.Tensor, attn_len: int) -> t
     t = tree_mask.shape[0]
     mask = torch.zeros(t, attn_len, dtype=torch.bool, device=tree_mask.device)
     mask[:, :prefix_len] = True
-    mask[:, prefix_len:prefix_len + t] = tree_mask
+    mask[:, prefix_len : prefix_len + t] = tree_mask
     return mask[None, None]
 
 
-def make_context(cache: KVCache, rotary: Rotary, prefix_len: int, positions: torch.Tensor,
-                 tree_mask: torch.Tensor | None) -> ForwardContext:
+def make_context(
+    cache: KVCache, rotary: Rotary, prefix_len: int, positions: torch.Tensor, tree_mask: torch.Tensor | None
+) -> ForwardContext:
     """Context for T new tokens written to slots prefix_len..prefix_len+T-1 (batch 1).
 
     tree_mask None means causal among the new tokens; a single token needs no mask at all.
@@ -346,12 +375,20 @@ def make_context(cache: KVCache, rotary: Rotary, prefix_len: int, positions: tor
         return ForwardContext(positions.view(1, t), slots, cache, attn_len, None, t > 1, rotary)
     if tree_mask is None:
         tree_mask = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
-    return ForwardContext(positions.view(1, t), slots, cache, attn_len,
-                          attention_mask(prefix_len, tree_mask, attn_len), False, rotary)
+    return ForwardContext(
+        positions.view(1, t), slots, cache, attn_len, attention_mask(prefix_len, tree_mask, attn_len), False, rotary
+    )
 
 
-def full_slot_context(cache: KVCache, rotary: Rotary, length: torch.Tensor, positions: torch.Tensor,
-                      slots: torch.Tensor, rows: torch.Tensor, slot_ids: torch.Tensor) -> ForwardContext:
+def full_slot_context(
+    cache: KVCache,
+    rotary: Rotary,
+    length: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    rows: torch.Tensor,
+    slot_ids: torch.Tensor,
+) -> ForwardContext:
     """Like make_context, but reading every cache slot and taking the prefix length as a device
     tensor, so that the same kernels serve every step of a replayed CUDA graph.
 
@@ -362,8 +399,9 @@ def full_slot_context(cache: KVCache, rotary: Rotary, length: torch.Tensor, posi
     rel = slot_ids - length
     in_region = (rel >= 0) & (rel < region)
     mask = (rel < 0) | (rows[:, rel.clamp(0, region - 1)] & in_region)  # [T, slots]
-    return ForwardContext(positions[None], slots[None], cache, cache.num_slots, mask[None, None], False, rotary,
-                          length, rows)
+    return ForwardContext(
+        positions[None], slots[None], cache, cache.num_slots, mask[None, None], False, rotary, length, rows
+    )
 
 
 def decode_context(cache: KVCache, rotary: Rotary, lengths: torch.Tensor, attn_len: int) -> ForwardContext:
@@ -377,8 +415,9 @@ def paged_context(view: PagedView, rotary: Rotary) -> ForwardContext:
     """Context for a batched step over the block pool: token t of row b (at view.positions[b, t]) reads
     its row's sequence up to and including its own position."""
     visible = torch.arange(view.attn_len, device=view.positions.device) <= view.positions[:, :, None]
-    return ForwardContext(view.positions, view.slots, view.pool, view.attn_len, visible[:, None], False, rotary,
-                          paged=view)
+    return ForwardContext(
+        view.positions, view.slots, view.pool, view.attn_len, visible[:, None], False, rotary, paged=view
+    )
 
 
 class Transformer(nn.Module):
@@ -395,11 +434,13 @@ class Transformer(nn.Module):
 
     def new_cache(self, slots: int, batch: int = 1) -> KVCache:
         p = self.lm_head.weight
-        return KVCache.allocate(self.cfg.num_layers, batch, slots, self.cfg.num_kv_heads, self.cfg.head_size,
-                                p.dtype, p.device)
+        return KVCache.allocate(
+            self.cfg.num_layers, batch, slots, self.cfg.num_kv_heads, self.cfg.head_size, p.dtype, p.device
+        )
 
-    def forward(self, tokens: torch.Tensor, ctx: ForwardContext,
-                capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(
+        self, tokens: torch.Tensor, ctx: ForwardContext, capture: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """tokens [B, T] -> (final hidden [B, T, H], residual stream after each layer in `capture`)."""
         x = self.vocab_embedding(tokens)
         outputs: dict[int, torch.Tensor] = {}

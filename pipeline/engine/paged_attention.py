@@ -18,9 +18,24 @@ MAX_SPLITS = 16
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, o_ptr, scale, table_stride, splits,
-                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _paged_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    len_ptr,
+    m_ptr,
+    l_ptr,
+    o_ptr,
+    scale,
+    table_stride,
+    splits,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     members = tl.arange(0, GROUP)
     live_members = members < HEADS // KV_HEADS
@@ -31,7 +46,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, 
     length = tl.load(len_ptr + row)
     offsets = tl.arange(0, BLOCK)
     m = tl.full((GROUP,), float("-inf"), tl.float32)
-    l = tl.zeros((GROUP,), tl.float32)
+    total = tl.zeros((GROUP,), tl.float32)
     acc = tl.zeros((GROUP, HEAD), tl.float32)
     for b in range(split, tl.cdiv(length, BLOCK), splits):
         block = tl.load(table_ptr + row * table_stride + b).to(tl.int64)
@@ -45,12 +60,12 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, 
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
         v = tl.load(v_ptr + where, mask=live[:, None], other=0.0).to(tl.float32)
-        l = l * alpha + tl.sum(p, axis=1)
+        total = total * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    out = ((row * HEADS + heads) * splits + split)
+    out = (row * HEADS + heads) * splits + split
     tl.store(m_ptr + out, m, mask=live_members)
-    tl.store(l_ptr + out, l, mask=live_members)
+    tl.store(l_ptr + out, total, mask=live_members)
     tl.store(o_ptr + out[:, None] * HEAD + dims[None, :], acc, mask=live_members[:, None])
 
 
@@ -59,8 +74,9 @@ def num_splits(rows: int, kv_heads: int, max_blocks: int) -> int:
 
 
 @torch.library.custom_op("specpipe::paged_decode_attention", mutates_args=())
-def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
-                           lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """q [B, H, D] (one token a row) over the pool's k, v [slots, Hkv, D] through block tables
     table [B, blocks] -> softmax(q k^T / sqrt(D)) v [B, H, D] in q's dtype; row b reads its first
     lengths[b] tokens (its own new token included: written before the call)."""
@@ -68,19 +84,35 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ta
     kv_heads = k.shape[1]
     splits = num_splits(rows, kv_heads, table.shape[1])
     m = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
+    sums = torch.empty_like(m)
     o = torch.empty(rows, heads, splits, head, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(rows, kv_heads, splits)](
-        q.contiguous(), k, v, table, lengths, m, l, o, head ** -0.5, table.stride(0), splits,
-        HEADS=heads, KV_HEADS=kv_heads, GROUP=triton.next_power_of_2(heads // kv_heads), HEAD=head, BLOCK=block_size)
+        q.contiguous(),
+        k,
+        v,
+        table,
+        lengths,
+        m,
+        sums,
+        o,
+        head**-0.5,
+        table.stride(0),
+        splits,
+        HEADS=heads,
+        KV_HEADS=kv_heads,
+        GROUP=triton.next_power_of_2(heads // kv_heads),
+        HEAD=head,
+        BLOCK=block_size,
+    )
     # Splits that saw no block hold m = -inf and l = 0: their weight below is 0.
     best = m.max(-1, keepdim=True).values
     weight = torch.exp(m - best)
-    total = (l * weight).sum(-1)
+    total = (sums * weight).sum(-1)
     return ((o * weight[..., None]).sum(-2) / total[..., None]).to(q.dtype)
 
 
 @paged_decode_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
-      block_size: int) -> torch.Tensor:
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, block_size: int
+) -> torch.Tensor:
     return q.new_empty(q.shape)

@@ -14,10 +14,10 @@ Plain decoding through this loop is the same loop with a one-node tree.
 from __future__ import annotations
 
 import math
-import threading
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import cast
 
 import torch
 
@@ -27,13 +27,13 @@ from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
 from pipeline.engine.cpu_threads import on_own_thread
 from pipeline.engine.graphs import MAX_PREFILL_TOKENS, Compiled, GraphedTarget, prefill_bucket, prefill_buckets
 from pipeline.engine.kernels.routing import attach
-from pipeline.engine.model import KVCache, Transformer, full_slot_context, make_context
 from pipeline.engine.kv_cache import BlockPool
+from pipeline.engine.model import KVCache, Transformer, full_slot_context, make_context
 from pipeline.engine.readback import Pending, Readback
 from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
-from pipeline.engine.scheduler import Scheduler, SchedulerConfig
 from pipeline.engine.sampling import RequestError, SamplingParams, argmax_rows, choose
-from pipeline.engine.speculative import PlainProposer, Proposer, StepInput, TargetPass
+from pipeline.engine.scheduler import Scheduler, SchedulerConfig
+from pipeline.engine.speculative import BufferDrafter, PlainProposer, Proposer, StepInput, TargetPass
 from pipeline.engine.stats import SpecStats
 from pipeline.engine.step import BatchStep
 from pipeline.engine.tree import DraftTree
@@ -86,8 +86,15 @@ class _Steps:
 
 
 class Engine:
-    def __init__(self, target: Transformer, tokenizer, limits: EngineLimits, spec: SpecConfig,
-                 proposer: Proposer | None = None, serving: SchedulerConfig | None = None):
+    def __init__(
+        self,
+        target: Transformer,
+        tokenizer,
+        limits: EngineLimits,
+        spec: SpecConfig,
+        proposer: Proposer | None = None,
+        serving: SchedulerConfig | None = None,
+    ):
         self.target = target
         self.tokenizer = tokenizer
         self.limits = limits
@@ -111,39 +118,58 @@ class Engine:
         self.slot_offsets = torch.arange(self.proposer.max_nodes, device=self.device)
         # hidden [N, H] -> greedy tokens [N], compiled on CUDA: the LM head, then the argmax in two
         # parallel stages (one reduction over the vocabulary runs on one block).
-        self.greedy = Compiled(lambda hidden: argmax_rows(self.target.logits(hidden)),
-                               None if self.device.type == "cuda" else False)
+        self.greedy = Compiled(
+            lambda hidden: argmax_rows(self.target.logits(hidden)), None if self.device.type == "cuda" else False
+        )
         self.readback = Readback()  # host copies of queued steps
         self.max_batch_size = serving.max_batch_size or limits.max_batch_size
         self.pool: BlockPool | None = None
         step = None
         if self.batched:
             cfg = target.cfg
-            bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * target.lm_head.weight.element_size()
+            bytes_per_token = (
+                2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * target.lm_head.weight.element_size()
+            )
             blocks = serving.cache.num_blocks(bytes_per_token, self.device, self.max_batch_size, limits.max_seq_len)
-            self.pool = BlockPool(cfg.num_layers, blocks, serving.cache.block_size, cfg.num_kv_heads, cfg.head_size,
-                                  target.lm_head.weight.dtype, self.device)
+            self.pool = BlockPool(
+                cfg.num_layers,
+                blocks,
+                serving.cache.block_size,
+                cfg.num_kv_heads,
+                cfg.head_size,
+                target.lm_head.weight.dtype,
+                self.device,
+            )
             step = BatchStep(target, self.pool, self.max_batch_size, limits.max_seq_len)
-        self.scheduler = Scheduler(serving, self.max_batch_size, step, self.result, self.stop_checker,
-                                   None if self.batched else self._serial)
+        self.scheduler = Scheduler(
+            serving, self.max_batch_size, step, self.result, self.stop_checker, None if self.batched else self._serial
+        )
 
     @property
     def capacity(self) -> dict[str, int]:
         """What the engine serves at once: rows of a batch and tokens of KV cache."""
         kv_tokens = self.pool.usable_blocks * self.pool.block_size if self.pool is not None else self.cache.num_slots
-        return {"max_batch_size": self.max_batch_size if self.batched else 1, "kv_cache_tokens": kv_tokens,
-                "max_queue": self.scheduler.config.max_queue}
+        return {
+            "max_batch_size": self.max_batch_size if self.batched else 1,
+            "kv_cache_tokens": kv_tokens,
+            "max_queue": self.scheduler.config.max_queue,
+        }
 
     @classmethod
-    def from_dir(cls, engine_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
-                 serving: SchedulerConfig | None = None) -> "Engine":
+    def from_dir(
+        cls,
+        engine_dir: str | Path,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        serving: SchedulerConfig | None = None,
+    ) -> Engine:
         from pipeline.engine.loader import load_engine
 
-        engine_dir, target = EngineDir.load(engine_dir), torch.device(device)
+        loaded, target = EngineDir.load(engine_dir), torch.device(device)
         if target.type != "cpu":
-            return load_engine(engine_dir, target, dtype, serving)
+            return load_engine(loaded, target, dtype, serving)
         # The caller's thread may not be the one that decodes (the scheduler's): see cpu_threads.
-        return on_own_thread(load_engine, engine_dir, target, dtype, serving)
+        return on_own_thread(load_engine, loaded, target, dtype, serving)
 
     def warm_up(self, temperatures: tuple[float, ...] = (0.0, 1.0)) -> None:
         """Compile and capture the decode and verification graphs now rather than inside the first
@@ -152,7 +178,7 @@ class Engine:
         if self.device.type != "cuda":
             return
         if self.batched:  # every batch bucket's decode graph, greedy and sampled (by default)
-            for rows in self.scheduler.step.buckets:
+            for rows in self.scheduler.batch.buckets:
                 for temperature in temperatures:
                     params = SamplingParams(max_tokens=WARMUP_NEW_TOKENS, temperature=temperature, seed=0, end_id=-1)
                     streams = [self.stream([0], params) for _ in range(rows)]
@@ -172,17 +198,21 @@ class Engine:
         if n == 0:
             raise RequestError("the prompt is empty; send at least one token of text")
         if n > self.limits.max_input_len:
-            raise RequestError(f"the prompt has {n} tokens, over this engine's max_input_len {self.limits.max_input_len}")
+            raise RequestError(
+                f"the prompt has {n} tokens, over this engine's max_input_len {self.limits.max_input_len}"
+            )
         if n + params.max_tokens > self.limits.max_seq_len:
-            raise RequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds this engine's "
-                               f"max_seq_len {self.limits.max_seq_len}; lower max_tokens")
+            raise RequestError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds this engine's "
+                f"max_seq_len {self.limits.max_seq_len}; lower max_tokens"
+            )
         vocab = self.target.cfg.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         for chunk in self.stream(prompt_ids, params):
-            if chunk.finished:
+            if chunk.finished and chunk.result is not None:
                 return chunk.result
         raise AssertionError("stream ended without a final chunk")
 
@@ -193,7 +223,7 @@ class Engine:
         self.validate(prompt_ids, params)
         return self.scheduler.submit(prompt_ids, params)
 
-    def _serial(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
+    def _serial(self, prompt_ids: list[int], params: SamplingParams) -> Generator[StreamChunk, None, None]:
         with torch.inference_mode():
             yield from self._decode(list(prompt_ids), params)
 
@@ -211,14 +241,16 @@ class Engine:
             cache = self.target.new_cache(tokens.shape[0])
             ctx = make_context(cache, self.target.rotary, 0, torch.arange(tokens.shape[0], device=self.device), None)
             hidden, _ = self.target(tokens[None], ctx)
-            choice = self.target.logits(hidden[0, n - 1:]).argmax(-1).tolist()  # after the prompt, after each draft
+            choice = self.target.logits(hidden[0, n - 1 :]).argmax(-1).tolist()  # after the prompt, after each draft
         accepted = 0
         while accepted < len(draft_ids) and draft_ids[accepted] == choice[accepted]:
             accepted += 1
         return draft_ids[:accepted] + [choice[accepted]]
 
     def stop_checker(self, params: SamplingParams) -> StopChecker:
-        end_id = self.tokenizer.eos_token_id if params.end_id is None else (None if params.end_id < 0 else params.end_id)
+        end_id = (
+            self.tokenizer.eos_token_id if params.end_id is None else (None if params.end_id < 0 else params.end_id)
+        )
         return StopChecker(params, end_id, self.tokenizer)
 
     def request_state(self, params: SamplingParams) -> tuple[torch.Generator, StopChecker]:
@@ -251,8 +283,12 @@ class Engine:
                 group = self._queue(1, root, length, step)
             else:  # the length stays on the device and the group's steps queue up, read with one sync
                 steps_left = math.ceil((params.max_tokens - len(out)) * QUEUE_SHARE / stats.acceptance_length)
-                group = queued or self._queue(max(1, self._group_size(ahead, length, steps_left)), root,
-                                              torch.tensor(length, device=self.device), step)
+                group = queued or self._queue(
+                    max(1, self._group_size(ahead, length, steps_left)),
+                    root,
+                    torch.tensor(length, device=self.device),
+                    step,
+                )
                 # The next group goes on the device before this one is read, so the device does not
                 # wait while the host reads and emits. Its cache bound assumes this group's worst case.
                 more = self._group_size(ahead, length + group.steps * self.proposer.max_nodes, steps_left - group.steps)
@@ -267,14 +303,19 @@ class Engine:
                 num_accepted = host[-1]
                 stats.record(tree.num_nodes - 1, tree.max_depth, num_accepted)
                 length += num_accepted + 1
-                new += stop.take(out, host[:num_accepted + 1])
+                new += stop.take(out, host[: num_accepted + 1])
                 if stop.reason:  # the steps after it (and a queued group) are discarded: the request ends here
                     break
 
         yield StreamChunk(new, True, self.result(prompt_ids, out, stop.reason, stats))
 
-    def _queue(self, steps: int, root: torch.Tensor, length: int | torch.Tensor,
-               step: Callable[[torch.Tensor, int | torch.Tensor], StepInput]) -> "_Steps":
+    def _queue(
+        self,
+        steps: int,
+        root: torch.Tensor,
+        length: int | torch.Tensor,
+        step: Callable[[torch.Tensor, int | torch.Tensor], StepInput],
+    ) -> _Steps:
         """Queue `steps` speculative steps from `root` at `length`. With a device length each step's
         proposer update takes device values, so no step waits for the host."""
         trees, accepted = [], []
@@ -298,19 +339,24 @@ class Engine:
     def _verify(self, step: StepInput) -> tuple[DraftTree, Acceptance, TargetPass]:
         """Propose, verify, accept, and compact the accepted path's KV."""
         length = step.length
-        graphed = step.params.greedy and self.graphs is not None and self.graphs.supports(self.proposer.max_nodes, length)
+        graphed = (
+            step.params.greedy and self.graphs is not None and self.graphs.supports(self.proposer.max_nodes, length)
+        )
         if graphed and self.proposer.drafts_from_buffers:  # the whole step in one replay
-            self.proposer.prepare(step)
-            tree, hidden, captured, acc = self.graphs.run_greedy_draft(self.proposer.draft, length)
+            assert self.graphs is not None
+            drafter = cast(BufferDrafter, self.proposer)
+            drafter.prepare(step)
+            tree, hidden, captured, acc = self.graphs.run_greedy_draft(drafter.draft, length)
             return tree, acc, TargetPass(hidden, captured)
         tree = self.proposer.propose(step)
         if graphed and tree.num_nodes > 1:
+            assert self.graphs is not None
             hidden, captured, acc = self.graphs.run_greedy_tree(tree, length)
             return tree, acc, TargetPass(hidden, captured)
         target = self.forward(tree.tokens, length, length + tree.depths, tree.mask if tree.num_nodes > 1 else None)
         acc = self._accept(tree, target.hidden, step.params, step.generator)
         if tree.num_nodes > 1:
-            self.cache.move(length + acc.path, length + self.slot_offsets[:tree.max_depth + 1])
+            self.cache.move(length + acc.path, length + self.slot_offsets[: tree.max_depth + 1])
         return tree, acc, target
 
     def prefill(self, prompt: torch.Tensor, cache: KVCache | None = None) -> TargetPass:
@@ -323,8 +369,14 @@ class Engine:
                 return TargetPass(*replayed)
         return self.forward(prompt, 0, torch.arange(prompt.shape[0], device=self.device), None, cache)
 
-    def forward(self, tokens: torch.Tensor, prefix_len: int | torch.Tensor, positions: torch.Tensor,
-                tree_mask: torch.Tensor | None, cache: KVCache | None = None) -> TargetPass:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        prefix_len: int | torch.Tensor,
+        positions: torch.Tensor,
+        tree_mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+    ) -> TargetPass:
         """The target over T new tokens of one sequence (row 0 unless `cache` is another row). A
         device prefix_len (a loop running ahead of the host) reads every slot through a mask."""
         cache = self.cache if cache is None else cache
@@ -333,15 +385,23 @@ class Engine:
         if isinstance(prefix_len, torch.Tensor):
             t = tokens.shape[0]
             rows = tree_mask if tree_mask is not None else torch.ones(1, 1, dtype=torch.bool, device=self.device)
-            ctx = full_slot_context(cache, self.target.rotary, prefix_len, positions, prefix_len + self.slot_offsets[:t],
-                                    rows, torch.arange(cache.num_slots, device=self.device))
+            ctx = full_slot_context(
+                cache,
+                self.target.rotary,
+                prefix_len,
+                positions,
+                prefix_len + self.slot_offsets[:t],
+                rows,
+                torch.arange(cache.num_slots, device=self.device),
+            )
         else:
             ctx = make_context(cache, self.target.rotary, prefix_len, positions, tree_mask)
         hidden, captured = self.target(tokens[None], ctx, self.proposer.capture_layers)
         return TargetPass(hidden[0], [c[0] for c in captured])
 
-    def _accept(self, tree: DraftTree, hidden: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator) -> Acceptance:
+    def _accept(
+        self, tree: DraftTree, hidden: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    ) -> Acceptance:
         if params.greedy:  # the argmax never needs the float logits in memory
             return accept_greedy(tree, self.greedy(hidden))
         logits = self.target.logits(hidden)

@@ -119,8 +119,15 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.
     return (bits.float() + 0.5) / float(1 << UNIFORM_BITS)
 
 
-def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                seeds: torch.Tensor, positions: torch.Tensor, filtered: bool) -> torch.Tensor:
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    filtered: bool,
+) -> torch.Tensor:
     """[B, V] logits -> [B] tokens: argmax where temperature is 0, else a draw from softmax(logits / T)
     restricted to the top_k highest (0 = all) and then to the smallest set of mass >= top_p; the draw is
     Gumbel-max over uniforms(seeds, positions). `filtered` False skips the top-k/top-p work (no row uses them)."""

@@ -18,8 +18,9 @@ import queue
 import random
 import threading
 from collections import deque
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,16 +48,21 @@ class SchedulerConfig:
     batched: bool = True  # False: a plain engine serves one request at a time, like a speculative one
 
     @classmethod
-    def from_options(cls, options: dict[str, Any]) -> "SchedulerConfig":
+    def from_options(cls, options: dict[str, Any]) -> SchedulerConfig:
         """From flat options (the serve flags' names with underscores: max_batch_size, max_queue,
         prefill_chunk, kv_cache_fraction, max_num_tokens, kv_block_size); UserError for an unknown one."""
-        cache_keys = {"kv_cache_fraction": "kv_cache_fraction", "max_num_tokens": "max_num_tokens",
-                      "kv_block_size": "block_size"}
+        cache_keys = {
+            "kv_cache_fraction": "kv_cache_fraction",
+            "max_num_tokens": "max_num_tokens",
+            "kv_block_size": "block_size",
+        }
         own = {"max_batch_size", "max_queue", "prefill_chunk"}
         unknown = set(options) - own - set(cache_keys)
         if unknown:
-            raise UserError(f"serving option(s) {', '.join(sorted(unknown))}: unknown; use "
-                            f"{', '.join(sorted(own | set(cache_keys)))}")
+            raise UserError(
+                f"serving option(s) {', '.join(sorted(unknown))}: unknown; use "
+                f"{', '.join(sorted(own | set(cache_keys)))}"
+            )
         cache = CacheBudget(**{cache_keys[k]: v for k, v in options.items() if k in cache_keys})
         return cls(cache=cache, **{k: v for k, v in options.items() if k in own})
 
@@ -97,9 +103,15 @@ class _Inflight:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, max_batch_size: int, step: BatchStep | None,
-                 result: Callable[..., GenerationResult], stop_checker: Callable[[SamplingParams], StopChecker],
-                 serial: Callable[[list[int], SamplingParams], Iterator[StreamChunk]] | None = None):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        max_batch_size: int,
+        step: BatchStep | None,
+        result: Callable[..., GenerationResult],
+        stop_checker: Callable[[SamplingParams], StopChecker],
+        serial: Callable[[list[int], SamplingParams], Generator[StreamChunk, None, None]] | None = None,
+    ):
         self.config = config
         self.max_batch_size = max_batch_size
         self.step = step
@@ -113,6 +125,11 @@ class Scheduler:
         self.thread: threading.Thread | None = None
         self.inflight: _Inflight | None = None  # the decode step queued on the device, not read yet
 
+    @property
+    def batch(self) -> BatchStep:
+        assert self.step is not None, "a scheduler serving one request at a time has no batched step"
+        return self.step
+
     # -- the caller's side ----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
         """Queue a request (validated by the engine) and stream its chunks; EngineBusy when the queue is full."""
@@ -122,11 +139,13 @@ class Scheduler:
             seed = params.seed if params.seed is not None else random.randrange(SEED_LIMIT)
             ints[TOP_K], ints[SEED] = params.top_k, seed
             floats[TEMPERATURE], floats[TOP_P] = params.temperature, params.top_p
-            request.worst_blocks = self.pool.blocks_for(len(prompt_ids) + params.max_tokens)
+            request.worst_blocks = self.batch.pool.blocks_for(len(prompt_ids) + params.max_tokens)
         with self.lock:
             if len(self.waiting) >= self.config.max_queue:
-                raise EngineBusy(f"the engine is busy: {len(self.waiting)} requests are waiting (--max-queue "
-                                 f"{self.config.max_queue}); retry later")
+                raise EngineBusy(
+                    f"the engine is busy: {len(self.waiting)} requests are waiting (--max-queue "
+                    f"{self.config.max_queue}); retry later"
+                )
             self.waiting.append(request)
             if self.thread is None:
                 # Not a daemon: the interpreter waits for it rather than killing it inside torch at exit.
@@ -150,8 +169,11 @@ class Scheduler:
     def usage(self) -> dict[str, int]:
         """Requests waiting and running, and blocks in use (a snapshot, for tests and metrics)."""
         with self.lock:
-            return {"waiting": len(self.waiting), "running": len(self.running),
-                    "used_blocks": self.pool.used_blocks if self.pool is not None else 0}
+            return {
+                "waiting": len(self.waiting),
+                "running": len(self.running),
+                "used_blocks": self.pool.used_blocks if self.pool is not None else 0,
+            }
 
     # -- the device's side (the scheduler thread) -------------------------------------------------------
     def _loop(self) -> None:
@@ -187,7 +209,7 @@ class Scheduler:
         reserved = sum(r.worst_blocks - len(r.table) for r in self.running)
         while self.waiting and len(self.running) < self.max_batch_size:
             head = self.waiting[0]
-            if len(self.pool.free) - reserved < head.worst_blocks:
+            if len(self.batch.pool.free) - reserved < head.worst_blocks:
                 break
             reserved += head.worst_blocks
             self.running.append(self.waiting.popleft())
@@ -197,8 +219,15 @@ class Scheduler:
         if prefilling is not None:
             self._read_inflight()  # the prefill reads its first token: settle the step queued before it
             self._prefill_chunk(prefilling)
-        decoding = [r for r in self.running if r.prefilled and (r.out or r.pending) and not r.done
-                    and len(r.out) + r.pending < r.params.max_tokens and r is not prefilling]
+        decoding = [
+            r
+            for r in self.running
+            if r.prefilled
+            and (r.out or r.pending)
+            and not r.done
+            and len(r.out) + r.pending < r.params.max_tokens
+            and r is not prefilling
+        ]
         launched = self._launch(decoding) if decoding else None
         self._read_inflight()  # the step before: read while the one just launched runs
         self.inflight = launched
@@ -206,33 +235,37 @@ class Scheduler:
     def _prefill_chunk(self, r: Request) -> None:
         start = r.cached
         end = min(len(r.prompt_ids), start + self.config.prefill_chunk)
-        self.pool.grow(r.table, end)
-        r.ints[TABLE:TABLE + len(r.table)] = r.table
-        token = self.step.prefill(r.prompt_ids[start:end], start, r.ints, r.floats, last=end == len(r.prompt_ids))
+        self.batch.pool.grow(r.table, end)
+        r.ints[TABLE : TABLE + len(r.table)] = r.table
+        token = self.batch.prefill(r.prompt_ids[start:end], start, r.ints, r.floats, last=end == len(r.prompt_ids))
         r.cached = end
         if token is not None:
             self._emit([r], token.tolist(), counts_step=False)
 
-    def _launch(self, rows: list[Request]) -> "_Inflight":
+    def _launch(self, rows: list[Request]) -> _Inflight:
         """Queue one decode step for `rows`. A row still waiting for the step in flight takes that step's
         token on the device, so the step is queued before the host has read the one before it."""
         previous = self.inflight
         carried = []  # (row in this step, row in the step in flight)
         for i, r in enumerate(rows):
-            self.pool.grow(r.table, r.cached + 1)
-            r.ints[TABLE:TABLE + len(r.table)] = r.table
+            self.batch.pool.grow(r.table, r.cached + 1)
+            r.ints[TABLE : TABLE + len(r.table)] = r.table
             r.ints[POSITION] = r.cached
             if r.pending:
                 assert previous is not None
                 carried.append((i, previous.rows.index(r)))
             else:
                 r.ints[TOKEN] = r.out[-1]
-        tokens = self.step.decode(np.stack([r.ints for r in rows]), np.stack([r.floats for r in rows]),
-                                  previous.tokens if carried else None, carried)
+        tokens = self.batch.decode(
+            np.stack([r.ints for r in rows]),
+            np.stack([r.floats for r in rows]),
+            previous.tokens if previous is not None else None,
+            carried,
+        )
         for r in rows:
             r.cached += 1
             r.pending += 1
-        return _Inflight(rows, tokens, self.step.readback.start(tokens))
+        return _Inflight(rows, tokens, self.batch.readback.start(tokens))
 
     def _read_inflight(self) -> None:
         """The step in flight's tokens to the host (the step's one sync), emitted."""
@@ -263,7 +296,7 @@ class Scheduler:
     def _release(self, r: Request) -> None:
         # A step still in flight may write this request's blocks: it was queued before any later owner's work.
         r.done = True
-        self.pool.release(r.table)
+        self.batch.pool.release(r.table)
         if r in self.running:
             self.running.remove(r)
 
@@ -280,6 +313,7 @@ class Scheduler:
                 return
             r = self.waiting.popleft()
             self.running.append(r)
+        assert self.serial is not None
         chunks = self.serial(r.prompt_ids, r.params)
         try:
             for chunk in chunks:
@@ -289,6 +323,6 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - ends this request with its error; the next is served
             r.chunks.put(exc)
         finally:
-            chunks.close()  # type: ignore[attr-defined]
+            chunks.close()
             with self.lock:
                 self.running.remove(r)

@@ -70,6 +70,14 @@ class Proposer(Protocol):
         ints, or device scalars for a proposer that runs ahead."""
 
 
+class BufferDrafter(Proposer, Protocol):
+    """A proposer whose drafts_from_buffers is True (EAGLE): the engine captures its draft() in the step's graph."""
+
+    def prepare(self, step: StepInput) -> None: ...
+
+    def draft(self) -> DraftTree: ...
+
+
 class PlainProposer:
     """No drafting: the tree is the root alone, so each step is one plain decode step."""
 
@@ -87,5 +95,12 @@ class PlainProposer:
     def propose(self, step: StepInput) -> DraftTree:
         return DraftTree.from_buffers(step.root, self.buffers)
 
-    def update(self, tree: DraftTree, acc: Acceptance, num_accepted: int, target: TargetPass, length: int) -> None:
+    def update(
+        self,
+        tree: DraftTree,
+        acc: Acceptance,
+        num_accepted: int | torch.Tensor,
+        target: TargetPass,
+        length: int | torch.Tensor,
+    ) -> None:
         pass

@@ -10,11 +10,13 @@ the scheduler copies all of a step's tokens to the host at once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from pipeline.engine.graphs import CapturedStep, Compiled, prefill_bucket
-from pipeline.engine.kv_cache import SCRATCH_BLOCK, BlockPool, PagedView
+from pipeline.engine.kv_cache import BlockPool, PagedView
 from pipeline.engine.model import Transformer, paged_context
 from pipeline.engine.readback import Readback
 from pipeline.engine.sampling import argmax_rows, sample_rows
@@ -77,8 +79,13 @@ class BatchStep:
         """A request's step inputs (ints, floats), kept by the scheduler and updated in place."""
         return np.zeros(TABLE + self.max_blocks, dtype=np.int64), np.zeros(2, dtype=np.float32)
 
-    def decode(self, ints: np.ndarray, floats: np.ndarray, device_tokens: torch.Tensor | None = None,
-               carried: list[tuple[int, int]] = ()) -> torch.Tensor:
+    def decode(
+        self,
+        ints: np.ndarray,
+        floats: np.ndarray,
+        device_tokens: torch.Tensor | None = None,
+        carried: Sequence[tuple[int, int]] = (),
+    ) -> torch.Tensor:
         """One token a row: ints [B, TABLE + blocks] and floats [B, 2] as laid out above (each row's table
         already holds its new token's slot) -> [B] next tokens on the device. Row i of each (i, j) in
         `carried` feeds device_tokens[j] instead of its TOKEN column (the output of a step the host has
@@ -101,12 +108,14 @@ class BatchStep:
         self._carry(x.ints, device_tokens, carried)
         key = (bucket, mode)
         if key not in self.graphs:
-            self.graphs[key] = CapturedStep(lambda: self.compiled(x.ints, x.floats, self.max_seq_len, mode),
-                                            self.pool_handle)
+            self.graphs[key] = CapturedStep(
+                lambda: self.compiled(x.ints, x.floats, self.max_seq_len, mode), self.pool_handle
+            )
         return self.graphs[key]()[:rows]
 
-    def _carry(self, ints: torch.Tensor, device_tokens: torch.Tensor | None, carried: list[tuple[int, int]]) -> None:
-        if not carried:
+    @staticmethod
+    def _carry(ints: torch.Tensor, device_tokens: torch.Tensor | None, carried: Sequence[tuple[int, int]]) -> None:
+        if not carried or device_tokens is None:
             return
         dst, src = zip(*carried)
         index = torch.tensor((dst, src), device="cpu").to(ints.device, non_blocking=True)
@@ -122,15 +131,23 @@ class BatchStep:
         return self._choose(logits, floats, top_k, seeds, positions[:, 0] + 1, mode)
 
     @staticmethod
-    def _choose(logits: torch.Tensor, floats: torch.Tensor, top_k: torch.Tensor, seeds: torch.Tensor,
-                positions: torch.Tensor, mode: str) -> torch.Tensor:
+    def _choose(
+        logits: torch.Tensor,
+        floats: torch.Tensor,
+        top_k: torch.Tensor,
+        seeds: torch.Tensor,
+        positions: torch.Tensor,
+        mode: str,
+    ) -> torch.Tensor:
         if mode == "greedy":
             return argmax_rows(logits)
-        return sample_rows(logits, floats[:, TEMPERATURE], top_k, floats[:, TOP_P], seeds, positions,
-                           mode == "filtered")
+        return sample_rows(
+            logits, floats[:, TEMPERATURE], top_k, floats[:, TOP_P], seeds, positions, mode == "filtered"
+        )
 
-    def prefill(self, tokens: list[int], start: int, ints: np.ndarray, floats: np.ndarray,
-                last: bool) -> torch.Tensor | None:
+    def prefill(
+        self, tokens: list[int], start: int, ints: np.ndarray, floats: np.ndarray, last: bool
+    ) -> torch.Tensor | None:
         """Prompt tokens at positions start.. of one request (its row inputs `ints`, `floats`; its table
         holds them) -> its next token [1] on the device when `last` (the chunk ends the prompt), else None.
         On CUDA a chunk replays the graph of its padded length (padding tokens write the scratch block)."""
@@ -154,8 +171,9 @@ class BatchStep:
             self.prefill_graphs[key] = CapturedStep(lambda: self._prefill(x, self.max_seq_len, mode), self.pool_handle)
         return self.prefill_graphs[key]()
 
-    def _fill_prefill(self, x: "_PrefillBuffers", tokens: list[int], start: int, ints: np.ndarray,
-                      floats: np.ndarray) -> None:
+    def _fill_prefill(
+        self, x: _PrefillBuffers, tokens: list[int], start: int, ints: np.ndarray, floats: np.ndarray
+    ) -> None:
         n = len(tokens)
         positions = np.arange(start, start + n)
         table = ints[TABLE:]
@@ -163,7 +181,9 @@ class BatchStep:
         host[:] = 0  # padding: token 0 at position 0, written to slot 0 of the scratch block
         host[TOKENS, :n] = tokens
         host[POSITIONS, :n] = positions
-        host[SLOTS, :n] = table[positions // self.pool.block_size] * self.pool.block_size + positions % self.pool.block_size
+        host[SLOTS, :n] = (
+            table[positions // self.pool.block_size] * self.pool.block_size + positions % self.pool.block_size
+        )
         host[LAST, 0] = n - 1
         x.row_host.numpy()[:] = ints
         x.floats_host.numpy()[:] = floats
@@ -171,7 +191,7 @@ class BatchStep:
         x.row.copy_(x.row_host, non_blocking=True)
         x.floats.copy_(x.floats_host, non_blocking=True)
 
-    def _prefill(self, x: "_PrefillBuffers", attn_len: int, mode: str) -> torch.Tensor | None:
+    def _prefill(self, x: _PrefillBuffers, attn_len: int, mode: str) -> torch.Tensor | None:
         positions = x.ints[POSITIONS][None]
         table = x.row[None, TABLE:]
         view = PagedView(self.pool, positions, x.ints[SLOTS][None], table, positions[:, -1] + 1, attn_len)
@@ -180,8 +200,9 @@ class BatchStep:
             return None
         last = x.ints[LAST, :1]
         logits = self.target.logits(hidden[0].index_select(0, last))
-        return self._choose(logits, x.floats[None], x.row[None, TOP_K], x.row[None, SEED],
-                            positions[0].index_select(0, last) + 1, mode)
+        return self._choose(
+            logits, x.floats[None], x.row[None, TOP_K], x.row[None, SEED], positions[0].index_select(0, last) + 1, mode
+        )
 
 
 # Rows of a prefill chunk's int input: tokens, positions, pool slots, and the last real token's index.

@@ -45,13 +45,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=run_serve)
 
 
-SERVING_OPTIONS = ("max_batch_size", "max_queue", "prefill_chunk", "kv_cache_fraction", "max_num_tokens", "kv_block_size")
+SERVING_OPTIONS = (
+    "max_batch_size",
+    "max_queue",
+    "prefill_chunk",
+    "kv_cache_fraction",
+    "max_num_tokens",
+    "kv_block_size",
+)
 
 
 def run_triton_repo(args: argparse.Namespace) -> int:
     serving = {k: getattr(args, k) for k in SERVING_OPTIONS if getattr(args, k) is not None}
     out = write_repository(args.engine, args.output, args.device, serving)
-    print(f"wrote Triton model repository {out} (models: {', '.join(sorted(p.name for p in out.iterdir() if p.is_dir()))})")
+    models = ", ".join(sorted(p.name for p in out.iterdir() if p.is_dir()))
+    print(f"wrote Triton model repository {out} (models: {models})")
     return 0
 
 
@@ -77,14 +85,21 @@ def run_serve(args: argparse.Namespace) -> int:
         except ModuleNotFoundError as exc:
             if exc.name != OPENAI_FRONT_MODULE:
                 raise
-            raise UserError(f"--openai-port: module {OPENAI_FRONT_MODULE} is not available in this checkout; "
-                            "serve without --openai-port") from None
+            raise UserError(
+                f"--openai-port: module {OPENAI_FRONT_MODULE} is not available in this checkout; "
+                "serve without --openai-port"
+            ) from None
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the server like Ctrl-C does
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
     try:
         with TritonServer(repo, ports, log_verbose=args.log_verbose) as server:
-            print(json.dumps({"http": f"http://{server.http_url}", "grpc": server.grpc_url,
-                              "metrics": server.metrics_url}), file=sys.stderr, flush=True)
+            print(
+                json.dumps(
+                    {"http": f"http://{server.http_url}", "grpc": server.grpc_url, "metrics": server.metrics_url}
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
             if openai_serve is not None:
                 print(f"OpenAI API on http://{LOCALHOST}:{args.openai_port}/v1", file=sys.stderr, flush=True)
                 openai_serve(server.grpc_url, LOCALHOST, args.openai_port, ENSEMBLE, repo_tokenizer_dir(repo))

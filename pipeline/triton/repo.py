@@ -23,7 +23,12 @@ from pipeline.triton import tensors as T
 
 MODELS_SOURCE_DIR = Path(__file__).parent / "models"
 ENSEMBLE, PREPROCESSING, POSTPROCESSING, ENGINE_MODEL, BLS = (
-    "ensemble", "preprocessing", "postprocessing", "tensorrt_llm", "tensorrt_llm_bls")
+    "ensemble",
+    "preprocessing",
+    "postprocessing",
+    "tensorrt_llm",
+    "tensorrt_llm_bls",
+)
 DRAFT_ENGINE_MODEL = "tensorrt_llm_draft"
 LOGITS_DATATYPE = "FP32"
 # Defaults of the backend's fill_template examples (docs/model_config.md).
@@ -48,8 +53,16 @@ def _tensor(t: T.Tensor, cls: type) -> object:
     return msg
 
 
-def _model(name: str, max_batch_size: int, inputs: tuple[T.Tensor, ...], outputs: tuple[T.Tensor, ...],
-           parameters: dict[str, str], *, backend: str = "python", decoupled: bool = False) -> mc.ModelConfig:
+def _model(
+    name: str,
+    max_batch_size: int,
+    inputs: tuple[T.Tensor, ...],
+    outputs: tuple[T.Tensor, ...],
+    parameters: dict[str, str],
+    *,
+    backend: str = "python",
+    decoupled: bool = False,
+) -> mc.ModelConfig:
     config = mc.ModelConfig(name=name, backend=backend, max_batch_size=max_batch_size)
     config.input.extend(_tensor(t, mc.ModelInput) for t in inputs)
     config.output.extend(_tensor(t, mc.ModelOutput) for t in outputs)
@@ -62,18 +75,32 @@ def _model(name: str, max_batch_size: int, inputs: tuple[T.Tensor, ...], outputs
 
 
 def preprocessing_config(engine: EngineDir) -> mc.ModelConfig:
-    return _model(PREPROCESSING, engine.limits.max_batch_size, T.PREPROCESSING_INPUTS, T.PREPROCESSING_OUTPUTS,
-                  {"tokenizer_dir": str(engine.tokenizer_dir), "add_special_tokens": "true",
-                   "max_input_len": str(engine.limits.max_input_len)})
+    return _model(
+        PREPROCESSING,
+        engine.limits.max_batch_size,
+        T.PREPROCESSING_INPUTS,
+        T.PREPROCESSING_OUTPUTS,
+        {
+            "tokenizer_dir": str(engine.tokenizer_dir),
+            "add_special_tokens": "true",
+            "max_input_len": str(engine.limits.max_input_len),
+        },
+    )
 
 
 def postprocessing_config(engine: EngineDir) -> mc.ModelConfig:
-    return _model(POSTPROCESSING, engine.limits.max_batch_size, T.POSTPROCESSING_INPUTS, T.POSTPROCESSING_OUTPUTS,
-                  {"tokenizer_dir": str(engine.tokenizer_dir), "skip_special_tokens": "true"})
+    return _model(
+        POSTPROCESSING,
+        engine.limits.max_batch_size,
+        T.POSTPROCESSING_INPUTS,
+        T.POSTPROCESSING_OUTPUTS,
+        {"tokenizer_dir": str(engine.tokenizer_dir), "skip_special_tokens": "true"},
+    )
 
 
-def portable_engine_config(engine: EngineDir, device: str, name: str = ENGINE_MODEL,
-                           serving: dict[str, Any] | None = None) -> mc.ModelConfig:
+def portable_engine_config(
+    engine: EngineDir, device: str, name: str = ENGINE_MODEL, serving: dict[str, Any] | None = None
+) -> mc.ModelConfig:
     """The engine model; `serving` (SchedulerConfig options: batch, queue, KV cache budget) rides along as
     one JSON parameter when given."""
     parameters = {"engine_dir": str(engine.path), "device": device, "exclude_input_in_output": "false"}
@@ -110,8 +137,15 @@ def trtllm_engine_parameters(engine_path: Path, engine: EngineDir) -> dict[str, 
 
 
 def trtllm_engine_config(name: str, engine_path: Path, engine: EngineDir) -> mc.ModelConfig:
-    config = _model(name, engine.limits.max_batch_size, T.ENGINE_INPUTS, T.ENGINE_OUTPUTS,
-                    trtllm_engine_parameters(engine_path, engine), backend="tensorrtllm", decoupled=True)
+    config = _model(
+        name,
+        engine.limits.max_batch_size,
+        T.ENGINE_INPUTS,
+        T.ENGINE_OUTPUTS,
+        trtllm_engine_parameters(engine_path, engine),
+        backend="tensorrtllm",
+        decoupled=True,
+    )
     batching = config.dynamic_batching
     batching.preferred_batch_size.append(engine.limits.max_batch_size)
     batching.max_queue_delay_microseconds = 0
@@ -146,12 +180,19 @@ def ensemble_config(engine: EngineDir) -> mc.ModelConfig:
 
 
 def bls_config(engine: EngineDir, draft_model_name: str) -> mc.ModelConfig:
-    return _model(BLS, engine.limits.max_batch_size, T.BLS_INPUTS, T.BLS_OUTPUTS, {
-        "accumulate_tokens": "false",
-        "tensorrt_llm_model_name": ENGINE_MODEL,
-        "tensorrt_llm_draft_model_name": draft_model_name,
-        "multimodal_encoders_name": "",
-    }, decoupled=True)
+    return _model(
+        BLS,
+        engine.limits.max_batch_size,
+        T.BLS_INPUTS,
+        T.BLS_OUTPUTS,
+        {
+            "accumulate_tokens": "false",
+            "tensorrt_llm_model_name": ENGINE_MODEL,
+            "tensorrt_llm_draft_model_name": draft_model_name,
+            "multimodal_encoders_name": "",
+        },
+        decoupled=True,
+    )
 
 
 def _pbtxt(config: mc.ModelConfig) -> str:
@@ -168,8 +209,10 @@ REPOSITORY_README = (Path(__file__).parent / "REPOSITORY_README.md").read_text()
 def repository_files(engine: EngineDir, device: str = "cpu", serving: dict[str, Any] | None = None) -> dict[str, str]:
     """Every file of the repository as {relative path: text}; empty text for `ensemble/1/.keep`."""
     if engine.backend not in BACKENDS:
-        raise UserError(f"{engine.path / 'specpipe.json'}: backend {engine.backend!r} is unknown; "
-                        f"expected one of {', '.join(BACKENDS)}")
+        raise UserError(
+            f"{engine.path / 'specpipe.json'}: backend {engine.backend!r} is unknown; "
+            f"expected one of {', '.join(BACKENDS)}"
+        )
     files = {
         "README.md": REPOSITORY_README,  # Triton loads only model folders; this file travels with them
         f"{ENSEMBLE}/config.pbtxt": _pbtxt(ensemble_config(engine)),
@@ -188,21 +231,25 @@ def repository_files(engine: EngineDir, device: str = "cpu", serving: dict[str, 
         files[f"{ENGINE_MODEL}/1/.keep"] = ""
         if draft_model_name:
             files[f"{DRAFT_ENGINE_MODEL}/config.pbtxt"] = _pbtxt(
-                trtllm_engine_config(DRAFT_ENGINE_MODEL, engine.draft_dir, engine))
+                trtllm_engine_config(DRAFT_ENGINE_MODEL, engine.draft_dir, engine)
+            )
             files[f"{DRAFT_ENGINE_MODEL}/1/.keep"] = ""
     else:
         files[f"{ENGINE_MODEL}/config.pbtxt"] = _pbtxt(portable_engine_config(engine, device, serving=serving))
         files[f"{ENGINE_MODEL}/1/model.py"] = _model_source(ENGINE_MODEL)
         if draft_model_name:
             draft = EngineDir.load(engine.draft_dir)
-            files[f"{DRAFT_ENGINE_MODEL}/config.pbtxt"] = _pbtxt(portable_engine_config(draft, device, DRAFT_ENGINE_MODEL))
+            files[f"{DRAFT_ENGINE_MODEL}/config.pbtxt"] = _pbtxt(
+                portable_engine_config(draft, device, DRAFT_ENGINE_MODEL)
+            )
             files[f"{DRAFT_ENGINE_MODEL}/1/model.py"] = _model_source(ENGINE_MODEL)
     files[f"{BLS}/config.pbtxt"] = _pbtxt(bls_config(engine, draft_model_name))
     return dict(sorted(files.items()))
 
 
-def write_repository(engine_dir: str | Path, output: str | Path, device: str = "cpu",
-                     serving: dict[str, Any] | None = None) -> Path:
+def write_repository(
+    engine_dir: str | Path, output: str | Path, device: str = "cpu", serving: dict[str, Any] | None = None
+) -> Path:
     engine = EngineDir.load(Path(engine_dir).resolve())
     if serving:
         SchedulerConfig.from_options(serving)  # a bad option fails here, not when the server loads the model

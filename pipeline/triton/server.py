@@ -184,11 +184,13 @@ class StubWatchdog(threading.Thread):
         self.reloads: list[str] = []  # models reloaded, in order (tests read it)
 
     def run(self) -> None:
+        process = self.server.process
+        assert process is not None, "the watchdog starts after the server process"
         known: dict[int, str] = {}
         while not self.stopping.wait(WATCH_INTERVAL_S):
-            if self.server.process.poll() is not None:
+            if process.poll() is not None:
                 return
-            alive = python_stubs(self.server.process.pid)
+            alive = python_stubs(process.pid)
             dead = {model for pid, model in known.items() if pid not in alive}
             for model in sorted(dead):
                 if self.stopping.is_set():
@@ -201,7 +203,7 @@ class StubWatchdog(threading.Thread):
                     continue
                 self.reloads.append(model)
                 self.server.note(f"model {model!r} is loaded again")
-            known = python_stubs(self.server.process.pid) if dead else alive
+            known = python_stubs(process.pid) if dead else alive
 
 
 def _raise_stack_limit() -> None:
@@ -232,7 +234,7 @@ class TritonServer:
         self.ready_timeout_s = ready_timeout_s
         self.log_verbose = log_verbose
         self.shm_prefix = f"{SHM_PREFIX}{os.getpid()}_{next(_instance_counter)}_"
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[str] | None = None
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._log_thread: threading.Thread | None = None
         self.watchdog: StubWatchdog | None = None
@@ -305,8 +307,15 @@ class TritonServer:
         self._post(f"/v2/repository/models/{model}/unload", RELOAD_TIMEOUT_S)
         self._post(f"/v2/repository/models/{model}/load", RELOAD_TIMEOUT_S)
 
+    def _started(self) -> subprocess.Popen[str]:
+        """The server process, which start() sets before anything that calls this runs."""
+        assert self.process is not None, "the server was not started"
+        return self.process
+
     def _forward_logs(self) -> None:
-        for line in self.process.stdout:
+        stdout = self._started().stdout
+        assert stdout is not None  # started with stdout=PIPE
+        for line in stdout:
             self.log_tail.append(line.rstrip())
             self.log.write(f"[tritonserver] {line}")
             self.log.flush()
@@ -317,11 +326,12 @@ class TritonServer:
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
         url = f"http://{self.http_url}/v2/health/ready"
+        process = self._started()
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+            if process.poll() is not None:
                 time.sleep(POLL_INTERVAL_S)  # let the log thread catch the last lines
                 raise UserError(
-                    f"tritonserver exited with code {self.process.returncode} while loading {self.repo}; "
+                    f"tritonserver exited with code {process.returncode} while loading {self.repo}; "
                     f"its last log lines: {self.tail_text()}"
                 )
             try:
@@ -337,7 +347,7 @@ class TritonServer:
         )
 
     def wait(self) -> int:
-        return self.process.wait()
+        return self._started().wait()
 
     def stop(self) -> None:
         if self.watchdog is not None:

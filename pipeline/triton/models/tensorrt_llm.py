@@ -52,9 +52,15 @@ FINALIZE_DEADLINE_S = 3.0
 REPLACEMENT_CHAR = "\ufffd"  # what a token sequence ending inside a UTF-8 character decodes to
 # Inputs the portable engine does not implement, with the value that means "off".
 UNSUPPORTED_SCALARS = {
-    "beam_width": 1, "num_return_sequences": 1, "return_log_probs": False, "return_context_logits": False,
-    "return_generation_logits": False, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-    "frequency_penalty": 0.0, "min_tokens": 0,
+    "beam_width": 1,
+    "num_return_sequences": 1,
+    "return_log_probs": False,
+    "return_context_logits": False,
+    "return_generation_logits": False,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "min_tokens": 0,
 }
 UNSUPPORTED_LISTS = ("draft_logits", "embedding_bias")
 # (key, metric name, description) of the acceptance counters exported on the metrics port.
@@ -169,8 +175,11 @@ class TritonPythonModel:
             _send(sender, _error(exc, exc.code), flags=FINAL)
         except Exception as exc:  # a bug must still end the request; the server keeps serving others
             traceback.print_exc()
-            _send(sender, _error(f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL),
-                  flags=FINAL)
+            _send(
+                sender,
+                _error(f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL),
+                flags=FINAL,
+            )
         finally:
             with self.workers_lock:
                 self.workers.discard(threading.current_thread())
@@ -211,16 +220,19 @@ class TritonPythonModel:
             raise RequestError("bad_words are not supported by the portable engine; leave them empty")
         max_tokens = int(_scalar(request, "request_output_len", 0))
         if max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {max_tokens} (a number over 2147483647 does not fit "
-                               "the INT32 input and wraps around)")
+            raise RequestError(
+                f"max_tokens must be >= 1, got {max_tokens} (a number over 2147483647 does not fit "
+                "the INT32 input and wraps around)"
+            )
         for name in ("temperature", "runtime_top_p"):
             value = _scalar(request, name, 0.0)
             if not math.isfinite(value):
                 raise RequestError(f"{name.replace('runtime_', '')} must be a finite number, got {value}")
         end_id = _scalar(request, "end_id", None)
         if end_id is not None and end_id != -1 and not 0 <= end_id < self.vocab_size:
-            raise RequestError(f"end_id {end_id} is outside the vocabulary [0, {self.vocab_size}); "
-                               "send a token id, or -1 for none")
+            raise RequestError(
+                f"end_id {end_id} is outside the vocabulary [0, {self.vocab_size}); send a token id, or -1 for none"
+            )
         seed = _scalar(request, "seed", None)
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -240,15 +252,20 @@ class TritonPythonModel:
         streaming = bool(_scalar(request, "streaming", False))
         exclude_input = bool(_scalar(request, "exclude_input_in_output", self.exclude_input_default))
         want_perf = bool(_scalar(request, "return_perf_metrics", False))
-        want_counts = (bool(_scalar(request, "return_num_input_tokens", False)),
-                       bool(_scalar(request, "return_num_output_tokens", False)))
+        want_counts = (
+            bool(_scalar(request, "return_num_input_tokens", False)),
+            bool(_scalar(request, "return_num_output_tokens", False)),
+        )
         self.engine.validate(prompt, params)
         drafts = _input(request, "draft_input_ids")
         if drafts is not None and drafts.size:
             # A BLS draft loop's verification call: one greedy pass, one response.
-            ids = self.engine.verify_external(prompt, drafts.reshape(-1).tolist())[:params.max_tokens]
-            _send(sender, pb_utils.InferenceResponse(output_tensors=self._tokens(ids if exclude_input else prompt + ids)),
-                  flags=FINAL)
+            ids = self.engine.verify_external(prompt, drafts.reshape(-1).tolist())[: params.max_tokens]
+            _send(
+                sender,
+                pb_utils.InferenceResponse(output_tensors=self._tokens(ids if exclude_input else prompt + ids)),
+                flags=FINAL,
+            )
             return
         scheduled_ns = None  # the engine runs one request at a time (its KV cache); others wait in stream()
         first_token_ns = None
@@ -308,12 +325,19 @@ class TritonPythonModel:
 
     @staticmethod
     def _tokens(ids):
-        return [pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32).reshape(1, 1, -1)),
-                pb_utils.Tensor("sequence_length", np.array([[len(ids)]], dtype=np.int32))]
+        return [
+            pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32).reshape(1, 1, -1)),
+            pb_utils.Tensor("sequence_length", np.array([[len(ids)]], dtype=np.int32)),
+        ]
 
     def _count(self, result):
         stats = result.stats
-        for key, value in (("requests", 1), ("generated", len(result.token_ids)), ("steps", stats.steps),
-                           ("drafted", stats.draft_tokens), ("accepted", stats.accepted_tokens)):
+        for key, value in (
+            ("requests", 1),
+            ("generated", len(result.token_ids)),
+            ("steps", stats.steps),
+            ("drafted", stats.draft_tokens),
+            ("accepted", stats.accepted_tokens),
+        ):
             with _SEND_LOCK:  # metric updates go through the same shared-memory channel
                 self.counters[key].increment(value)
