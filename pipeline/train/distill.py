@@ -12,18 +12,21 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from pipeline.train.target import extract_features
 
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
+
 
 @torch.no_grad()
 def continuations(
-    model: nn.Module,
+    model: LlamaForCausalLM,
     prompts: list[list[int]],
     max_new_tokens: int,
     batch_size: int,
@@ -133,10 +136,28 @@ class DistillSet:
     def num_generated(self) -> int:
         return int((self.lengths - self.prompt_lens).sum())
 
+    @property
+    def feature_batch(self) -> torch.Tensor:
+        """`features` of a batch ([N, T, H]; subset() pads them), not a whole set's packed ones."""
+        assert isinstance(self.features, torch.Tensor), "features missing or packed: take a subset()"
+        return self.features
+
+    @property
+    def aux_batch(self) -> torch.Tensor:
+        """`aux` of a batch ([N, T, 3H]; subset() pads it), not a whole set's packed one."""
+        assert isinstance(self.aux, torch.Tensor), "aux missing or packed: take a subset()"
+        return self.aux
+
     def to(self, device: str) -> DistillSet:
-        move = lambda t: None if t is None else t.to(device)  # a tensor or PackedRows
+        def move(t: torch.Tensor | PackedRows | None) -> torch.Tensor | PackedRows | None:
+            return None if t is None else t.to(device)
+
         return DistillSet(
-            move(self.tokens), move(self.lengths), move(self.prompt_lens), move(self.features), move(self.aux)
+            self.tokens.to(device),
+            self.lengths.to(device),
+            self.prompt_lens.to(device),
+            move(self.features),
+            move(self.aux),
         )
 
     def subset(self, rows: torch.Tensor) -> DistillSet:
@@ -148,7 +169,7 @@ class DistillSet:
             return None if t is None else t[rows, :width]
 
         return DistillSet(
-            pick(self.tokens), self.lengths[rows], self.prompt_lens[rows], pick(self.features), pick(self.aux)
+            self.tokens[rows, :width], self.lengths[rows], self.prompt_lens[rows], pick(self.features), pick(self.aux)
         )
 
     def save_tokens(self, path) -> None:
@@ -182,7 +203,7 @@ def read_tokens(path) -> tuple[list[list[int]], list[int]]:
 @torch.no_grad()
 def attach_features(
     data: DistillSet,
-    model: nn.Module,
+    model: LlamaForCausalLM,
     aux_layers: tuple[int, ...],
     batch_size: int,
     feature_dtype: torch.dtype,
@@ -193,17 +214,19 @@ def attach_features(
     target compute."""
     device = next(model.parameters()).device
     hidden = model.config.hidden_size
-    data.features = PackedRows.zeros(data.lengths, hidden, feature_dtype, device)
-    data.aux = PackedRows.zeros(data.lengths, len(aux_layers) * hidden, aux_dtype, device) if aux_layers else None
+    features = PackedRows.zeros(data.lengths, hidden, feature_dtype, device)
+    packed_aux = PackedRows.zeros(data.lengths, len(aux_layers) * hidden, aux_dtype, device) if aux_layers else None
+    data.features, data.aux = features, packed_aux
     order = torch.argsort(data.lengths)
     for lo in tqdm(range(0, len(order), batch_size), desc="target features", unit="batch"):
         pick = order[lo : lo + batch_size]
         cut = int(data.lengths[pick].max())
         final, aux = extract_features(model, data.tokens[pick, :cut].to(device), aux_layers)
-        index, inside = data.features.positions(pick, data.lengths[pick], cut)
-        data.features.flat[index[inside]] = final[inside].to(feature_dtype)
+        index, inside = features.positions(pick, data.lengths[pick], cut)
+        features.flat[index[inside]] = final[inside].to(feature_dtype)
         if aux is not None:
-            data.aux.flat[index[inside]] = aux[inside].to(aux_dtype)
+            assert packed_aux is not None  # extract_features returns aux only for aux_layers
+            packed_aux.flat[index[inside]] = aux[inside].to(aux_dtype)
     return data
 
 

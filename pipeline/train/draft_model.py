@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
@@ -19,11 +20,14 @@ from pipeline.train.eval import depth_valid
 from pipeline.train.losses import soft_cross_entropy
 from pipeline.train.target import FrozenHead, rope_theta
 
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
+
 WEIGHTS_FILE = "model.safetensors"
 SHARED_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def build_draft_model(target: nn.Module, layer_ids: tuple[int, ...]) -> nn.Module:
+def build_draft_model(target: LlamaForCausalLM, layer_ids: tuple[int, ...]) -> LlamaForCausalLM:
     """A LlamaForCausalLM with the target's config but `layer_ids` of its layers (copied) and its final norm;
     the embedding is the target's own tensor, frozen."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -38,14 +42,16 @@ def build_draft_model(target: nn.Module, layer_ids: tuple[int, ...]) -> nn.Modul
         num_key_value_heads=t.num_key_value_heads,
         rms_norm_eps=t.rms_norm_eps,
         max_position_embeddings=t.max_position_embeddings,
-        rope_theta=rope_theta(t),
+        rope_parameters={"rope_theta": rope_theta(t), "rope_type": "default"},
         bos_token_id=t.bos_token_id,
         eos_token_id=t.eos_token_id,
         pad_token_id=t.pad_token_id,
         tie_word_embeddings=True,
         architectures=["LlamaForCausalLM"],
     )
-    draft = LlamaForCausalLM(cfg).to(next(target.parameters()).device)
+    draft = LlamaForCausalLM(cfg)
+    # PreTrainedModel.to is decorated with functools.wraps(Module.to), which typeshed types as unbound (self first)
+    draft.to(next(target.parameters()).device)  # type: ignore[arg-type]
     with torch.no_grad():
         for mine, src in zip(draft.model.layers, layer_ids):
             mine.load_state_dict(target.model.layers[src].state_dict())
@@ -55,24 +61,24 @@ def build_draft_model(target: nn.Module, layer_ids: tuple[int, ...]) -> nn.Modul
     return draft
 
 
-def trainable(draft: nn.Module) -> list[nn.Parameter]:
+def trainable(draft: LlamaForCausalLM) -> list[nn.Parameter]:
     shared = {id(draft.model.embed_tokens.weight)}
     return [p for p in draft.parameters() if id(p) not in shared]
 
 
-def draft_loss(draft: nn.Module, frozen: FrozenHead, batch: DistillSet) -> torch.Tensor:
+def draft_loss(draft: LlamaForCausalLM, frozen: FrozenHead, batch: DistillSet) -> torch.Tensor:
     """KL to the target at every position with a target token, prompt included (the draft reads it too)."""
     mask = teacher_mask(batch, 0, include_prompt=True)
     hidden = draft.model(input_ids=batch.tokens, use_cache=False).last_hidden_state
-    return soft_cross_entropy(frozen.logits(hidden[mask]), frozen.logits(batch.features[mask]))
+    return soft_cross_entropy(frozen.logits(hidden[mask]), frozen.logits(batch.feature_batch[mask]))
 
 
 @torch.no_grad()
 def draft_depth_hits(
-    draft: nn.Module, frozen: FrozenHead, data: DistillSet, depth: int
+    draft: LlamaForCausalLM, frozen: FrozenHead, data: DistillSet, depth: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """With the target's tokens as context, depth k of the chain rooted at j is the draft's guess at j + k."""
-    greedy = frozen.logits(data.features).argmax(-1)
+    greedy = frozen.logits(data.feature_batch).argmax(-1)
     hidden = draft.model(input_ids=data.tokens, use_cache=False).last_hidden_state
     hit = frozen.logits(hidden).argmax(-1) == greedy
     width = greedy.shape[1]
@@ -82,15 +88,17 @@ def draft_depth_hits(
     return correct, depth_valid(data.lengths, data.prompt_lens, width, depth)
 
 
-def save_draft_model(draft: nn.Module, folder: Path, source_layers: tuple[int, ...], dtype: torch.dtype) -> None:
+def save_draft_model(draft: LlamaForCausalLM, folder: Path, source_layers: tuple[int, ...], dtype: torch.dtype) -> None:
     tensors = {
         k: v.detach().to(dtype).contiguous().cpu() for k, v in draft.state_dict().items() if k not in SHARED_TENSORS
     }
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    rope = draft.config.rope_parameters
+    assert rope is not None  # build_draft_model sets it
     config = draft.config.to_dict()
     config.update(
         {
-            "rope_theta": draft.config.rope_parameters["rope_theta"],
+            "rope_theta": rope["rope_theta"],
             "torch_dtype": str(dtype).removeprefix("torch."),
             "specpipe_shared_from_target": list(SHARED_TENSORS),
             "specpipe_initialised_from_target_layers": list(source_layers),

@@ -73,7 +73,7 @@ def unrolled_loss(
 ) -> torch.Tensor:
     """Step-weighted mean over unrolled steps of step_loss(draft outputs, teacher features next
     position), both taken at the positions that step trains."""
-    teacher = batch.features[:, 1:]
+    teacher = batch.feature_batch[:, 1:]
     weights = step_weights(len(outs), STEP_DECAY)
     total = torch.zeros((), device=batch.tokens.device)
     for s, (h, mask) in enumerate(zip(outs, unrolled_masks(batch, len(outs)))):
@@ -87,21 +87,22 @@ def eagle_loss(draft: EagleDraft, frozen: FrozenHead, batch: DistillSet, steps: 
             frozen.logits(pred), frozen.logits(want)
         )
 
-    return unrolled_loss(draft.unroll(frozen, batch.tokens, batch.features, steps), batch, step_loss)
+    return unrolled_loss(draft.unroll(frozen, batch.tokens, batch.feature_batch, steps), batch, step_loss)
 
 
 @torch.no_grad()
 def eagle_depth_hits(
     draft: EagleDraft, frozen: FrozenHead, data: DistillSet, depth: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return unrolled_depth_hits(draft.unroll(frozen, data.tokens, data.features, depth), frozen, data, lambda h: h)
+    outs = draft.unroll(frozen, data.tokens, data.feature_batch, depth)
+    return unrolled_depth_hits(outs, frozen, data, lambda h: h)
 
 
 def unrolled_depth_hits(
     outs: list[torch.Tensor], frozen: FrozenHead, data: DistillSet, to_logit_input
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """correct[n, j, s]: step s of the chain rooted at j (run at position j + s) hits the target's token."""
-    greedy = frozen.logits(data.features).argmax(-1)  # the target's token for position p + 1
+    greedy = frozen.logits(data.feature_batch).argmax(-1)  # the target's token for position p + 1
     width = greedy.shape[1]
     correct = torch.zeros((*greedy.shape, len(outs)), dtype=torch.bool, device=greedy.device)
     for s, h in enumerate(outs):

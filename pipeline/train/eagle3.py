@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,9 @@ from pipeline.train.eagle import eagle_config, unrolled_depth_hits, unrolled_los
 from pipeline.train.llama_layer import MLP, Attention, LayerShape, RMSNorm, rope_tables, shift_right
 from pipeline.train.losses import soft_cross_entropy
 from pipeline.train.target import FrozenHead
+
+if TYPE_CHECKING:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
 WEIGHTS_FILE = "model.safetensors"
 FUSED_LAYERS = 3
@@ -50,7 +54,7 @@ class Eagle3Draft(nn.Module):
         self.midlayer = Eagle3Layer(shape)
         self.norm = RMSNorm(shape.hidden, shape.rms_eps)
 
-    def init_from(self, target_layer: nn.Module, target_norm: nn.Module) -> None:
+    def init_from(self, target_layer: LlamaDecoderLayer, target_norm: LlamaRMSNorm) -> None:
         """MLP, o_proj and norms from the target; q/k/v take the target's weights on both input halves."""
         src = target_layer.state_dict()
         layer = self.midlayer
@@ -82,7 +86,7 @@ class Eagle3Draft(nn.Module):
 
 
 def eagle3_loss(draft: Eagle3Draft, frozen: FrozenHead, batch: DistillSet, steps: int) -> torch.Tensor:
-    outs = draft.unroll(frozen, batch.tokens, batch.aux, steps)
+    outs = draft.unroll(frozen, batch.tokens, batch.aux_batch, steps)
     return unrolled_loss(
         outs, batch, lambda h, teacher: soft_cross_entropy(frozen.logits(draft.norm(h)), frozen.logits(teacher))
     )
@@ -92,7 +96,7 @@ def eagle3_loss(draft: Eagle3Draft, frozen: FrozenHead, batch: DistillSet, steps
 def eagle3_depth_hits(
     draft: Eagle3Draft, frozen: FrozenHead, data: DistillSet, depth: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return unrolled_depth_hits(draft.unroll(frozen, data.tokens, data.aux, depth), frozen, data, draft.norm)
+    return unrolled_depth_hits(draft.unroll(frozen, data.tokens, data.aux_batch, depth), frozen, data, draft.norm)
 
 
 def save_eagle3(

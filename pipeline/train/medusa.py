@@ -49,12 +49,13 @@ def medusa_loss(heads: nn.ModuleList, frozen: FrozenHead, batch: DistillSet, har
     weights = step_weights(len(heads), HEAD_DECAY)
     taught = teacher_mask(batch, 0)  # positions whose distribution some head learns
     row_of = torch.cumsum(taught.flatten(), 0).view_as(taught) - 1  # position -> row of `teacher`
-    teacher = torch.softmax(frozen.logits(batch.features[taught]).float(), dim=-1)
-    total = torch.zeros((), device=batch.features.device)
+    features = batch.feature_batch
+    teacher = torch.softmax(frozen.logits(features[taught]).float(), dim=-1)
+    total = torch.zeros((), device=features.device)
     for h, head in enumerate(heads):
         shift = 1 + h
-        mask = teacher_mask(batch, shift)[:, : batch.features.shape[1] - shift]
-        student = frozen.logits(head(batch.features[:, :-shift][mask]))
+        mask = teacher_mask(batch, shift)[:, : features.shape[1] - shift]
+        student = frozen.logits(head(features[:, :-shift][mask]))
         total = total + weights[h] * cross_entropy_to(student, teacher[row_of[:, shift:][mask]], hard_weight)
     return total / sum(weights)
 
@@ -62,11 +63,12 @@ def medusa_loss(heads: nn.ModuleList, frozen: FrozenHead, batch: DistillSet, har
 @torch.no_grad()
 def medusa_depth_hits(heads: nn.ModuleList, frozen: FrozenHead, data: DistillSet) -> tuple[torch.Tensor, torch.Tensor]:
     """Depth 1 is head 0 (token t + 2): the target's own token t + 1 is always accepted."""
-    greedy = frozen.logits(data.features).argmax(-1)  # the target's token for position p + 1
-    width = data.features.shape[1]
+    features = data.feature_batch
+    greedy = frozen.logits(features).argmax(-1)  # the target's token for position p + 1
+    width = features.shape[1]
     correct = torch.zeros((*greedy.shape, len(heads)), dtype=torch.bool, device=greedy.device)
     for h, head in enumerate(heads):
-        guess = frozen.logits(head(data.features)).argmax(-1)
+        guess = frozen.logits(head(features)).argmax(-1)
         correct[:, : width - 1 - h, h] = guess[:, : width - 1 - h] == greedy[:, 1 + h :]
     return correct, depth_valid(data.lengths, data.prompt_lens, width, len(heads))
 
@@ -74,7 +76,11 @@ def medusa_depth_hits(heads: nn.ModuleList, frozen: FrozenHead, data: DistillSet
 def save_medusa(
     heads: nn.ModuleList, folder: Path, base_model: str, num_layers: int, vocab_size: int, dtype: torch.dtype
 ) -> None:
-    hidden = heads[0][0].linear.weight.shape[0]
+    first = heads[0]
+    assert isinstance(first, nn.Sequential)  # build_heads: each head is a Sequential of ResBlocks
+    block = first[0]
+    assert isinstance(block, ResBlock)
+    hidden = block.linear.weight.shape[0]
     tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in heads.state_dict().items()}
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     config = {

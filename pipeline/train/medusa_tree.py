@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
@@ -24,6 +24,9 @@ from pipeline.train.distill import DistillSet
 from pipeline.train.eval import depth_valid
 from pipeline.train.medusa import WEIGHTS_FILE, build_heads
 from pipeline.train.target import FrozenHead, extract_features, load_target
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 DEFAULT_TOKENS = "drafts/distill/smollm2-sharegpt-42220.npz"  # the shipped heads' token file
 HELD_OUT_ROWS = 200  # the token file's first rows are held out from training (see the model cards)
@@ -51,7 +54,7 @@ class TreeFit:
 
 
 @torch.no_grad()
-def head_ranks(target: nn.Module, heads: nn.ModuleList, data: DistillSet, max_rank: int) -> torch.Tensor:
+def head_ranks(target: LlamaForCausalLM, heads: nn.ModuleList, data: DistillSet, max_rank: int) -> torch.Tensor:
     """[roots, heads] rank of the target's own token among each head's guesses, capped at max_rank."""
     frozen = FrozenHead.of(target)
     device = next(target.parameters()).device

@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
@@ -27,6 +28,9 @@ from pipeline.train.distill import DistillSet, attach_features, continuations, r
 from pipeline.train.eval import ChainStats, chain_stats, format_table
 from pipeline.train.loop import TrainSettings, plot_log, train
 from pipeline.train.target import FrozenHead, eagle3_layers, layer_shape
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 METHODS = ("medusa", "eagle", "draft", "eagle3")
 FOLDERS = {"medusa": "smollm2-medusa", "eagle": "smollm2-eagle", "draft": "smollm2-draft", "eagle3": "smollm2-eagle3"}
@@ -73,7 +77,7 @@ class MethodResult:
 
 
 def distill(
-    target: nn.Module, prompts: PromptSet, s: RunSettings, out: Path, tokens_file: Path | None
+    target: LlamaForCausalLM, prompts: PromptSet, s: RunSettings, out: Path, tokens_file: Path | None
 ) -> tuple[DistillSet, DistillSet, dict]:
     """(train, held-out) sequences with features, on the target's device. The teacher-forced rows join
     the train set only: the held-out set stays the target's own text, what the drafts meet when serving.
@@ -158,48 +162,48 @@ def chunked_chain(
     return chain_stats(torch.cat(correct), torch.cat(valid))
 
 
-def build_method(method: str, target: nn.Module, frozen: FrozenHead, s: RunSettings):
+def build_method(method: str, target: LlamaForCausalLM, frozen: FrozenHead, s: RunSettings):
     """(module, trainable parameters, loss(batch), depth hits(data), save(folder))."""
     shape = layer_shape(target.config)
     vocab, max_pos = target.config.vocab_size, target.config.max_position_embeddings
     device = next(target.parameters()).device
     last_layer = target.model.layers[target.config.num_hidden_layers - 1]
     if method == "medusa":
-        m = medusa.build_heads(shape.hidden, s.medusa_heads, s.medusa_layers).to(device)
+        heads = medusa.build_heads(shape.hidden, s.medusa_heads, s.medusa_layers).to(device)
         return (
-            m,
-            list(m.parameters()),
-            lambda b: medusa.medusa_loss(m, frozen, b, s.medusa_hard_weight),
-            lambda d: medusa.medusa_depth_hits(m, frozen, d),
-            lambda f: medusa.save_medusa(m, f, s.base_model, s.medusa_layers, vocab, SAVE_DTYPE),
+            heads,
+            list(heads.parameters()),
+            lambda b: medusa.medusa_loss(heads, frozen, b, s.medusa_hard_weight),
+            lambda d: medusa.medusa_depth_hits(heads, frozen, d),
+            lambda f: medusa.save_medusa(heads, f, s.base_model, s.medusa_layers, vocab, SAVE_DTYPE),
         )
     if method == "eagle":
-        m = eagle.EagleDraft(shape).to(device)  # random init: the target's layers write far larger values
+        ed = eagle.EagleDraft(shape).to(device)  # random init: the target's layers write far larger values
         return (
-            m,
-            list(m.parameters()),
-            lambda b: eagle.eagle_loss(m, frozen, b, s.eagle_steps),
-            lambda d: eagle.eagle_depth_hits(m, frozen, d, EVAL_DEPTH),
-            lambda f: eagle.save_eagle(m, f, vocab, max_pos, SAVE_DTYPE),
+            ed,
+            list(ed.parameters()),
+            lambda b: eagle.eagle_loss(ed, frozen, b, s.eagle_steps),
+            lambda d: eagle.eagle_depth_hits(ed, frozen, d, EVAL_DEPTH),
+            lambda f: eagle.save_eagle(ed, f, vocab, max_pos, SAVE_DTYPE),
         )
     if method == "eagle3":
-        m = eagle3.Eagle3Draft(shape).to(device)
-        m.init_from(last_layer, target.model.norm)
+        e3 = eagle3.Eagle3Draft(shape).to(device)
+        e3.init_from(last_layer, target.model.norm)
         fused = eagle3_layers(target.config.num_hidden_layers)
         return (
-            m,
-            list(m.parameters()),
-            lambda b: eagle3.eagle3_loss(m, frozen, b, s.eagle3_steps),
-            lambda d: eagle3.eagle3_depth_hits(m, frozen, d, EVAL_DEPTH),
-            lambda f: eagle3.save_eagle3(m, f, vocab, max_pos, fused, SAVE_DTYPE),
+            e3,
+            list(e3.parameters()),
+            lambda b: eagle3.eagle3_loss(e3, frozen, b, s.eagle3_steps),
+            lambda d: eagle3.eagle3_depth_hits(e3, frozen, d, EVAL_DEPTH),
+            lambda f: eagle3.save_eagle3(e3, f, vocab, max_pos, fused, SAVE_DTYPE),
         )
-    m = draft_model.build_draft_model(target, s.draft_layers)
+    dm = draft_model.build_draft_model(target, s.draft_layers)
     return (
-        m,
-        draft_model.trainable(m),
-        lambda b: draft_model.draft_loss(m, frozen, b),
-        lambda d: draft_model.draft_depth_hits(m, frozen, d, EVAL_DEPTH),
-        lambda f: draft_model.save_draft_model(m, f, s.draft_layers, SAVE_DTYPE),
+        dm,
+        draft_model.trainable(dm),
+        lambda b: draft_model.draft_loss(dm, frozen, b),
+        lambda d: draft_model.draft_depth_hits(dm, frozen, d, EVAL_DEPTH),
+        lambda f: draft_model.save_draft_model(dm, f, s.draft_layers, SAVE_DTYPE),
     )
 
 
@@ -236,7 +240,7 @@ def pack(folder: Path, pack_dir: Path) -> None:
 
 def train_method(
     method: str,
-    target: nn.Module,
+    target: LlamaForCausalLM,
     frozen: FrozenHead,
     train_set: DistillSet,
     held: DistillSet,
@@ -271,7 +275,7 @@ def train_method(
 
 
 def run_all(
-    target: nn.Module,
+    target: LlamaForCausalLM,
     prompts: PromptSet,
     s: RunSettings,
     out: Path,

