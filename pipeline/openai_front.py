@@ -20,7 +20,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -307,7 +307,9 @@ class OpenAIFront:
         self.check_prompt_bytes(prompt)
         return prompt
 
-    async def run(self, body: dict[str, Any], chat: bool) -> AsyncIterator[tuple[str, str | None, dict[str, Any]]]:
+    async def run(
+        self, body: dict[str, Any], chat: bool
+    ) -> AsyncGenerator[tuple[str, str | None, dict[str, Any]], None]:
         """Yield (text delta, finish_reason or None, extras): every item carries the running usage, the
         last one also `spec`. The ensemble streams text, not ids, so running counts re-tokenize the
         text so far; the final counts are the engine's own when it returns them."""
@@ -432,7 +434,7 @@ async def _unless_disconnected(request: Request, work: Any) -> Any:
 
 
 async def _sse(
-    head: dict[str, Any], chat: bool, first: tuple, events: AsyncIterator[tuple], opts: dict[str, Any]
+    head: dict[str, Any], chat: bool, first: tuple, events: AsyncGenerator[tuple, None], opts: dict[str, Any]
 ) -> AsyncIterator[str]:
     """Server-sent events: one chunk per text delta, `spec` on the finishing chunk, optional usage."""
     obj = "chat.completion.chunk" if chat else "text_completion"

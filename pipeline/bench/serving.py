@@ -116,9 +116,13 @@ def run_triton(cfg: ServingConfig, prompts: list[list[int]], work: Path) -> dict
             generate_ids(
                 server.grpc_url, prompts[0], Sampling(max_tokens=WARMUP_TOKENS, end_id=IGNORE_END), stream=stream
             )
+
+            def served_ids(ids: list[int], stream: bool = stream) -> list[int]:
+                return generate_ids(server.grpc_url, ids, sampling, stream=stream).output_ids
+
             runs[mode] = time_each(
                 prompts,
-                lambda ids, stream=stream: generate_ids(server.grpc_url, ids, sampling, stream=stream).output_ids,
+                served_ids,
                 f"triton {mode}",
                 torch.device("cpu"),
             )  # the client waits for the server

@@ -144,7 +144,9 @@ def client_loop(server: TritonServer, tally: Tally, seed: int, deadline: float) 
 
 
 def soak(server: TritonServer, minutes: float, concurrency: int) -> dict:
-    rss_start = server_rss(server.process.pid)
+    process, watchdog = server.process, server.watchdog
+    assert process is not None and watchdog is not None, "soak needs a started server"
+    rss_start = server_rss(process.pid)
     tally = Tally()
     start = time.monotonic()
     deadline = start + minutes * 60
@@ -164,7 +166,7 @@ def soak(server: TritonServer, minutes: float, concurrency: int) -> dict:
     for t in threads:
         t.join()
     latencies = np.array(tally.latencies_s or [0.0])
-    rss_end = server_rss(server.process.pid)
+    rss_end = server_rss(process.pid)
     return {
         "minutes": minutes,
         "concurrency": concurrency,
@@ -176,8 +178,8 @@ def soak(server: TritonServer, minutes: float, concurrency: int) -> dict:
         "rss_start_bytes": rss_start,
         "rss_end_bytes": rss_end,
         "rss_growth": {k: rss_end.get(k, 0) / v - 1 for k, v in rss_start.items() if v},
-        "server_alive": server.process.poll() is None,
-        "stub_reloads": server.watchdog.reloads,
+        "server_alive": process.poll() is None,
+        "stub_reloads": watchdog.reloads,
     }
 
 

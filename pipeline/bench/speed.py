@@ -27,8 +27,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import torch
 from tqdm import tqdm
@@ -209,6 +210,23 @@ class _IdsOnly:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
+
+
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+
+
+@overload
+def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, *, seed: int = SEED) -> Transformer: ...
+
+
+@overload
+def random_model(
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    build: Callable[[ModelConfig], ModuleT],
+    seed: int = SEED,
+) -> ModuleT: ...
 
 
 def random_model(
@@ -440,7 +458,10 @@ def build_engines(cfg: BenchConfig, source: Any, names: list[str]) -> dict[str, 
         method = METHODS[name]
         key = method.checkpoint_key()
         if key not in checkpoints:
-            draft = {method.draft: str(cfg.drafts / method.draft_dir)} if method.draft else {}
+            draft: dict[str, Any] = {}  # DraftInputs fields, by name
+            if method.draft:
+                assert method.draft_dir is not None  # a method with a draft names its folder
+                draft[method.draft] = str(cfg.drafts / method.draft_dir)
             if method.vocab_tokens:
                 draft["vocab_tokens"] = str(cfg.drafts / method.vocab_tokens)
             checkpoints[key] = convert(
@@ -528,7 +549,7 @@ def run_group(
         run["stats"].append(result.stats)
 
     for name in names:
-        engine = attempt(name, lambda name=name: warmed(name))
+        engine = attempt(name, partial(warmed, name))
         if engine is not None:
             engines[name] = engine
             runs[name] = {"outputs": [], "stats": [], "request_s": []}
@@ -536,7 +557,7 @@ def run_group(
         if cfg.budget_s and sum(sum(r["request_s"]) for r in runs.values()) > cfg.budget_s * len(runs):
             break
         for name in list(engines) if i % 2 == 0 else list(engines)[::-1]:
-            attempt(name, lambda name=name, ids=ids: timed(name, ids))
+            attempt(name, partial(timed, name, ids))
     results = {}
     for name in names:
         if name in failed:
@@ -710,7 +731,7 @@ def run_coldstart(cfg: BenchConfig, device: torch.device, engines: dict[str, Pat
     starts twice in caches of its own: empty, then as the first start filled them. Inductor's and
     Triton's both: with Triton's own cache (~/.triton) warm, an "empty" inductor cache hardly slows a start,
     since the compiled kernels come from Triton's."""
-    out = {}
+    out: dict[str, dict[str, float]] = {}
     for name, engine_dir in engines.items():
         out[name] = {}
         with tempfile.TemporaryDirectory(prefix="specpipe-compile-cache-") as cache_dir:

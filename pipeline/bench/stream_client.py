@@ -60,7 +60,8 @@ def stream_completion(base_url: str, body: dict[str, Any], session: requests.Ses
     with http.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=REQUEST_TIMEOUT_S) as resp:
         if resp.status_code != 200:
             raise StreamError(f"{base_url}: HTTP {resp.status_code}: {resp.text[:300]}")
-        for line in resp.iter_lines(chunk_size=None, decode_unicode=True):
+        # chunk_size=None (lines as they arrive) is documented by requests but missing from its annotations.
+        for line in resp.iter_lines(chunk_size=None, decode_unicode=True):  # type: ignore[call-overload]
             now = time.perf_counter()
             if not line or not line.startswith(SSE_PREFIX):
                 continue

@@ -209,6 +209,8 @@ def _json_inputs(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
 
 def _sse_events(reply: requests.Response) -> Iterable[dict[str, Any]]:
     for line in reply.iter_lines(decode_unicode=True):
+        # requests decodes every line: a text/event-stream reply always has an encoding (ISO-8859-1 at least)
+        assert isinstance(line, str)
         if line and line.startswith("data:"):
             yield json.loads(line[len("data:") :])
 

@@ -60,11 +60,15 @@ def convert(
         if kind == "medusa":
             from pipeline.convert.medusa import add_medusa
 
+            assert drafts.medusa is not None  # kind() named it
+
             config, tensors = add_medusa(
                 config, tensors, source, drafts.medusa, torch_dtype, drafts.num_medusa_heads, drafts.max_draft_len
             )
         elif kind == "eagle":
             from pipeline.convert.eagle import add_eagle
+
+            assert drafts.eagle is not None  # kind() named it
 
             config, tensors = add_eagle(
                 config,
@@ -79,9 +83,13 @@ def convert(
         elif kind == "eagle3":
             from pipeline.convert.eagle3 import write_eagle3_draft
 
+            assert drafts.eagle3 is not None  # kind() named it
+
             write_eagle3_draft(tmp, source, drafts.eagle3, torch_dtype, drafts.draft_vocab, drafts.vocab_tokens)
         elif kind == "draft_model":
             from pipeline.convert.draft_model import write_draft_model
+
+            assert drafts.draft_model is not None  # kind() named it
 
             write_draft_model(tmp, source, drafts.draft_model, torch_dtype, tp)
         write_checkpoint(tmp, config, tensors, source.tokenizer)

@@ -171,6 +171,7 @@ def write_eagle3_draft(
                 f"{folder}: the draft already has a vocabulary of {own_vocab} tokens; --draft-vocab "
                 f"chooses one for drafts over the whole vocabulary ({vocab})"
             )
+        assert vocab_tokens is not None  # given together with draft_vocab (checked above)
         reduce_vocab(weights, frequent_tokens(vocab_tokens, draft_vocab, vocab), vocab)
     draft_vocab = draft_vocab or own_vocab
     out = {k: (v if k in VOCAB_MAPS else v.to(dtype)).contiguous() for k, v in weights.items()}

@@ -34,6 +34,7 @@ from pipeline.engine.eagle import Eagle3Net, EagleNet, EagleProposer
 from pipeline.engine.kernels.routing import attach
 from pipeline.engine.kernels.tuning import KernelTuning
 from pipeline.engine.loader import eagle3_capture_layers
+from pipeline.engine.model import ModelConfig
 from pipeline.engine.request import SamplingParams
 from pipeline.engine.runner import Engine, prepare_kernels
 
@@ -44,19 +45,20 @@ ROWS = 30
 
 
 def random_drafter(
-    shape, device: torch.device, dtype: torch.dtype, kind: str, draft_vocab: int | None
+    shape: ModelConfig, device: torch.device, dtype: torch.dtype, kind: str, draft_vocab: int | None
 ) -> EagleNet | Eagle3Net:
     """EAGLE-2's drafter (the target's whole LM head) or EAGLE-3's (its own, over draft_vocab tokens)."""
     one_layer = replace(shape, num_layers=1)
+    net: EagleNet | Eagle3Net
     if kind == "eagle":
-        build = lambda cfg: EagleNet(cfg, fc_bias=False)
+        net = random_model(one_layer, device, dtype, lambda cfg: EagleNet(cfg, fc_bias=False), SEED + 1)
     else:
         vocab = draft_vocab or shape.vocab_size
         # Clamped for the tiny smoke-test shape, whose 2 layers TensorRT-LLM's default does not fit.
         layers = tuple(sorted({min(max(i, 0), shape.num_layers - 1) for i in eagle3_capture_layers(shape.num_layers)}))
-        build = lambda cfg: Eagle3Net(cfg, layers, vocab)
-    net = random_model(one_layer, device, dtype, build, SEED + 1)
+        net = random_model(one_layer, device, dtype, lambda cfg: Eagle3Net(cfg, layers, vocab), SEED + 1)
     if kind == "eagle3" and draft_vocab:
+        assert isinstance(net, Eagle3Net)
         # Any set of target ids keeps the step's kernels, hence its time: the first draft_vocab of a permutation.
         keep = torch.randperm(shape.vocab_size, generator=torch.Generator().manual_seed(SEED))[:draft_vocab].sort()[0]
         net.set_d2t((keep - torch.arange(draft_vocab)).to(device))
