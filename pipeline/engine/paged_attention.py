@@ -2,8 +2,9 @@
 
 Program (row, kv head, split) walks the row's block table, taking every `splits`-th block below the
 row's length, and keeps an online softmax for the kv head's query group; a few torch ops merge the
-splits. Splits give short batches enough programs to fill the GPU; at large batches one split a
-(row, kv head) already does. Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (the tests).
+splits. The split count depends only on the table's width, never on the batch: a row's sums run in
+the same order alone or among 64 rows (bitwise the same output). Splits give a short batch enough
+programs to fill the GPU. Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (the tests).
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Programs a launch aims at (about two per SM of an H200); splits per (row, kv head) make up the rest.
-TARGET_PROGRAMS = 256
+# Splits per (row, kv head): enough programs for one row of a few kv heads to spread over the GPU.
 MAX_SPLITS = 16
 
 
@@ -69,8 +69,8 @@ def _paged_decode_kernel(
     tl.store(o_ptr + out[:, None] * HEAD + dims[None, :], acc, mask=live_members[:, None])
 
 
-def num_splits(rows: int, kv_heads: int, max_blocks: int) -> int:
-    return max(1, min(MAX_SPLITS, max_blocks, TARGET_PROGRAMS // (rows * kv_heads)))
+def num_splits(max_blocks: int) -> int:
+    return max(1, min(MAX_SPLITS, max_blocks))
 
 
 @torch.library.custom_op("specpipe::paged_decode_attention", mutates_args=())
@@ -82,7 +82,7 @@ def paged_decode_attention(
     lengths[b] tokens (its own new token included: written before the call)."""
     rows, heads, head = q.shape
     kv_heads = k.shape[1]
-    splits = num_splits(rows, kv_heads, table.shape[1])
+    splits = num_splits(table.shape[1])
     m = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
     sums = torch.empty_like(m)
     o = torch.empty(rows, heads, splits, head, dtype=torch.float32, device=q.device)
