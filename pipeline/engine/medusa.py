@@ -9,6 +9,8 @@ tokens' log-probabilities under their heads, so each step spends its nodes where
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -115,7 +117,8 @@ class MedusaProposer:
 
     def features(self) -> torch.Tensor:
         """[depth, H]: the shared LM head's input for each head."""
-        return torch.cat([head.features(self.hidden) for head in self.heads])
+        # self.heads holds MedusaHeads (medusa_heads), which an nn.ModuleList's type cannot say
+        return torch.cat([cast(MedusaHead, head).features(self.hidden) for head in self.heads])
 
     def top_logp(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[depth, top_k] (log-probabilities, tokens) of each head's likeliest tokens, best first."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,11 @@ def cold_copies(nbytes: int) -> int:
     return max(2, -(-COLD_L2_MULTIPLE * l2 // nbytes))
 
 
+def linear_copy(x: torch.Tensor, ws: list[torch.Tensor], i: int) -> torch.Tensor:
+    """cuBLAS's product of x and the i-th cold copy of W (cycling)."""
+    return F.linear(x[None], ws[i % len(ws)])
+
+
 def timed(fn: Callable[[int], object], reps: int = REPS) -> float:
     """Median microseconds of fn(i) over one graph of `reps` calls."""
     side = torch.cuda.Stream()
@@ -100,7 +106,7 @@ def main(shape: str) -> None:
         mb = n * k * 2 / 1e6
         gbs = lambda us, mb=mb: mb / us * 1e3
         ref = F.linear(x.float(), ws[0].float())
-        t_cublas = timed(lambda i, x=x, ws=ws, copies=copies: F.linear(x[None], ws[i % copies]), reps)
+        t_cublas = timed(partial(linear_copy, x, ws), reps)
         line = f"{name:<8}{mb:7.1f} MB  cublas {t_cublas:6.1f} ({gbs(t_cublas):4.0f})"
         results = {}
         for fused in (False, True):
@@ -154,8 +160,9 @@ def main(shape: str) -> None:
                     f"{c[0]},{c[1]},{c[2]}: {t:6.1f} ({gbs(t):4.0f})" for c, t in row.items()
                 )
         totals["cublas"] += per_token * t_cublas
-        totals["triton"] += per_token * results[(False, *engine)]
-        totals["fused"] += per_token * results.get((True, *engine), results[(False, *engine)])
+        plain_key, fused_key = (False, *engine), (True, *engine)
+        totals["triton"] += per_token * results[plain_key]
+        totals["fused"] += per_token * results.get(fused_key, results[plain_key])
         print(line, flush=True)
         del run  # its defaults hold this shape's copies
         ws = []  # free this shape's copies before the next shape's

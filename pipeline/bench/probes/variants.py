@@ -4,14 +4,16 @@ joined by commas, e.g. `rope_in_gemv=0,block_rows=16` or `rows_small_tile=64/16/
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 BASE = "base"
 HELP = f'"{BASE}" or FIELD=VALUE[,FIELD=VALUE...] of KernelTuning (a tuple as 64/16/128/4/5)'
+FieldValue = int | bool | str | tuple[int, ...]  # the types of KernelTuning's fields
 
 
-def parse_value(text: str, current: object) -> object:
+def parse_value(text: str, current: FieldValue) -> FieldValue:
     """A field's value in the type of its current one: 0/1 or false/true for flags, a/b/c for tuples."""
     if isinstance(current, bool):
         if text.lower() not in ("0", "1", "false", "true"):
@@ -27,7 +29,7 @@ def parse_variant(variant: str, base: KernelTuning = DEFAULT_TUNING) -> KernelTu
     if variant == BASE:
         return base
     fields = {f.name for f in dataclasses.fields(KernelTuning)}
-    changes = {}
+    changes: dict[str, Any] = {}  # each value of its field's type (parse_value), by the field's name
     for item in variant.split(","):
         name, _, value = item.partition("=")
         if name not in fields or not value:

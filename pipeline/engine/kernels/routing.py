@@ -227,6 +227,7 @@ def single_token_layer(
     from pipeline.engine.kernels.rotary import rope_store
 
     a, mlp, norm, post = layer.attention, layer.mlp, layer.input_layernorm, layer.post_layernorm
+    assert isinstance(norm, RMSNorm)  # fusable(): only such layers are routed here
     h = x.view(-1)
     rope = (
         ctx.rotary.cos,
@@ -282,6 +283,7 @@ def several_token_layer(
     from pipeline.engine.kernels.rows import rows_gemm, rows_rope_store
 
     a, mlp, norm, post = layer.attention, layer.mlp, layer.input_layernorm, layer.post_layernorm
+    assert isinstance(norm, RMSNorm)  # fusable(): only such layers are routed here
     rows = x.view(-1, x.shape[-1])
     q = rows_rope_store(
         rows,
