@@ -26,7 +26,17 @@ from pipeline.engine.graphs import CapturedStep
 from pipeline.engine.kernels.routing import TORCH_TOPK, DrafterKernels, attach, several_token_layer, several_token_mlp
 from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
 from pipeline.engine.medusa import MedusaProposer, medusa_heads
-from pipeline.engine.model import KVCache, Linear, ModelConfig, Rotary, Transformer, full_slot_context, make_context
+from pipeline.engine.model import (
+    DecoderLayer,
+    KVCache,
+    Linear,
+    ModelConfig,
+    RMSNorm,
+    Rotary,
+    Transformer,
+    full_slot_context,
+    make_context,
+)
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.tree import build_tree
@@ -61,6 +71,20 @@ def tile_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device == "cuda" else torch.float32
 
 
+def decoder_layer(model: Transformer, index: int) -> DecoderLayer:
+    """model.layers[index] as its own type (an nn.ModuleList's items are typed Module)."""
+    layer = model.layers[index]
+    assert isinstance(layer, DecoderLayer)
+    return layer
+
+
+def input_norm(layer: DecoderLayer) -> RMSNorm:
+    """The layer's input RMSNorm (EAGLE-1 draft layers have none)."""
+    norm = layer.input_layernorm
+    assert isinstance(norm, RMSNorm)
+    return norm
+
+
 def check_gemv(device: str) -> None:
     from pipeline.engine.kernels.gemv import gemv, gemv_rope_store
     from pipeline.engine.kernels.rotary import rope_store
@@ -78,7 +102,7 @@ def check_gemv(device: str) -> None:
             fc, gate = (w.double() @ x.double()).chunk(2)
             close(gemv(x, w, gated=True), F.silu(fc) * gate, tol)
     # The norm prologue against the unfused layer's own ops (looser: the norm rounds twice).
-    norm = Transformer(NORM_CONFIG).layers[0].input_layernorm.to(torch.bfloat16)
+    norm = input_norm(decoder_layer(Transformer(NORM_CONFIG), 0)).to(torch.bfloat16)
     norm.weight.normal_()
     x, w2 = torch.randn(40, dtype=torch.bfloat16), torch.randn(2 * 24, 40, dtype=torch.bfloat16)
     close(gemv(x, w2, norm.weight, norm.eps), F.linear(norm(x), w2), 4e-2)
@@ -112,7 +136,7 @@ def check_rows(device: str) -> None:
         fc, gate = want.chunk(2, dim=1)
         close(rows_gemm(x, w, gated=True), F.silu(fc) * gate, tol)
     # The norm inside the products: against RMSNorm then the product, gated and not.
-    norm = Transformer(dataclasses.replace(NORM_CONFIG, hidden_size=300)).layers[0].input_layernorm.to(half)
+    norm = input_norm(decoder_layer(Transformer(dataclasses.replace(NORM_CONFIG, hidden_size=300)), 0)).to(half)
     norm.weight.normal_()
     for m, n in ((5, 48), (37, 96)):
         x, w = torch.randn(m, 300, dtype=half), torch.randn(n, 300, dtype=half)
@@ -150,7 +174,7 @@ def check_rows(device: str) -> None:
         close(got_k, want_k, 4 * tol)
         close(got_v, want_v, 4 * tol)
     # A decoder layer's step of several tokens, its MLP through the two kernels, against the unfused layer.
-    layer = Transformer(NORM_CONFIG).layers[0].to(half)
+    layer = decoder_layer(Transformer(NORM_CONFIG), 0).to(half)
     for p in layer.parameters():
         p.normal_(0, 0.3)
     x = torch.randn(1, 5, 40, dtype=half)
@@ -195,8 +219,8 @@ def check_attention(device: str) -> None:
     for heads, kv_heads, dim, slots, slot in ((6, 2, 16, 40, 39), (9, 3, 64, 1100, 400), (4, 4, 64, 300, 0)):
         q, cache = torch.randn(1, heads, dim, dtype=half), torch.randn(2, slots, kv_heads, dim, dtype=half)
         k, v = cache[0], cache[1]
-        seen = [t[: slot + 1].transpose(0, 1)[None].float() for t in (k, v)]
-        want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), *seen, enable_gqa=True)[0]
+        seen_k, seen_v = (t[: slot + 1].transpose(0, 1)[None].float() for t in (k, v))
+        want = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), seen_k, seen_v, enable_gqa=True)[0]
         for tuning in (DEFAULT_TUNING, cuda_cores):
             close(slot_attention(q, k, v, torch.tensor([slot]), None, tuning), want.transpose(0, 1), 2 * tol)
     # Tree tokens see the text and what their row of the region allows, through tensor-core tiles (a single
@@ -217,13 +241,14 @@ def check_attention(device: str) -> None:
         rows[torch.arange(tokens), torch.arange(tokens)] = True  # a token always sees itself
         ctx = full_slot_context(
             KVCache(k, v),
-            None,
+            Rotary(dim, 1e4, None, 1),  # unread: only the mask is checked
             torch.tensor(length),
             torch.zeros(tokens),
             torch.zeros(tokens),
             rows,
             torch.arange(slots),
         )
+        assert ctx.mask is not None  # full_slot_context masks every slot
         want = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None].float(),
             k.transpose(0, 1)[None].float(),
@@ -321,7 +346,7 @@ def check_model(device: str) -> None:
     # ... and a small layer's tree step whole through the kernels (several_token_layer: the norms, rotary
     # and the cache write inside the products) against the unfused layer: its output and cache writes.
     x = torch.randn(1, 4, 64, dtype=half)
-    got = several_token_layer(model.layers[1], x, ctx, 1, tuning)
+    got = several_token_layer(decoder_layer(model, 1), x, ctx, 1, tuning)
     written = cache.k[1, 0, 70:74].clone(), cache.v[1, 0, 70:74].clone()
     cache.k[1, 0, 70:74] = cache.v[1, 0, 70:74] = 0
     close(got, model.layers[1](x, ctx, 1), 3e-2)
@@ -354,7 +379,7 @@ def check_eagle(device: str) -> None:
             close(got, want, 1e-4)
 
 
-def eagle_pair() -> tuple[Transformer, torch.nn.Module]:
+def eagle_pair() -> tuple[Transformer, EagleNet]:
     """A float32 target and a one-layer EAGLE net of CONFIG's shape, small random weights."""
     target = Transformer(CONFIG).float()
     net = EagleNet(dataclasses.replace(CONFIG, num_layers=1)).float()
