@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import time
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +40,17 @@ from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
 ROWS = (16, 64)  # tree tokens
 # rows (BLOCK_N weight rows a program), columns (BLOCK_K), warps, pipeline stages
 SWEEP = tuple(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4)))
+
+
+def with_tiles(tiles: Mapping[str, tuple[int, ...]]) -> KernelTuning:
+    """DEFAULT_TUNING with the named tile fields replaced (dataclasses.replace, which mypy cannot check
+    with field names chosen at run time)."""
+    return dataclasses.replace(DEFAULT_TUNING, **cast("dict[str, Any]", dict(tiles)))
+
+
+def _linear_copy(x: torch.Tensor, ws: list[torch.Tensor], copies: int, i: int) -> torch.Tensor:
+    """cuBLAS's product of x and the i-th of `copies` weight copies (cycling)."""
+    return F.linear(x, ws[i % copies])
 
 
 @triton.jit
@@ -108,9 +122,9 @@ def main() -> None:
             y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             mb = n * k * 2 / 1e6
             gbs = lambda us, mb=mb: mb / us * 1e3
-            t_cublas = timed(lambda i, x=x, ws=ws, copies=copies: F.linear(x, ws[i % copies]))
+            t_cublas = timed(functools.partial(_linear_copy, x, ws, copies))
             ref = F.linear(x.float(), ws[0].float())
-            times = {}
+            times: dict[tuple[int, ...], float] = {}
             for config in SWEEP:
                 try:
                     tree_gemm(x, ws[0], y, *config)
@@ -119,11 +133,20 @@ def main() -> None:
                     continue
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 assert err < 2e-2, (name, m, config, err)
-                times[config] = timed(
-                    lambda i, c=config, x=x, ws=ws, copies=copies, y=y: tree_gemm(x, ws[i % copies], y, *c)
-                )
+
+                def run_tile(
+                    i: int,
+                    c: tuple[int, int, int, int] = config,
+                    x: torch.Tensor = x,
+                    ws: list[torch.Tensor] = ws,
+                    copies: int = copies,
+                    y: torch.Tensor = y,
+                ) -> None:
+                    tree_gemm(x, ws[i % copies], y, *c)
+
+                times[config] = timed(run_tile)
                 per_config[config] += per_pass * times[config]
-            best = min(times, key=times.get)
+            best = min(times, key=lambda c: times[c])
             totals["cublas"] += per_pass * t_cublas
             totals["best tile per shape"] += per_pass * times[best]
             print(
@@ -133,7 +156,7 @@ def main() -> None:
                 flush=True,
             )
             ws = []  # free this shape's copies before the next shape's
-        single = min(per_config, key=per_config.get)
+        single = min(per_config, key=lambda c: per_config[c])
         totals[f"best single tile {single}"] = per_config[single]
         print(f"{m} rows, one pass's 129 products (ms):", {key: round(v / 1e3, 3) for key, v in totals.items()})
     print(f"probe {time.time() - t0:.0f} s")
@@ -173,31 +196,40 @@ def mlp(shape: str) -> None:
         r = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(m, INTERMEDIATE, device="cuda", dtype=torch.bfloat16)
         want = engine_mlp(x, up[0], down[0], r).float()
-        t_base = timed(lambda i, x=x, r=r: compiled(x, up[i % copies], down[i % copies], r))
-        t_up = timed(lambda i, x=x: F.linear(x, up[i % copies]))
-        t_down = timed(lambda i, g=g: F.linear(g, down[i % copies]))
+
+        def run_base(i: int, x: torch.Tensor = x, r: torch.Tensor = r) -> torch.Tensor:
+            return compiled(x, up[i % copies], down[i % copies], r)
+
+        t_base = timed(run_base)
+        t_up = timed(functools.partial(_linear_copy, x, up, copies))
+        t_down = timed(functools.partial(_linear_copy, g, down, copies))
         print(
             f"{m} rows: compiled cuBLAS MLP {t_base:.1f} us a layer ({mb / t_base * 1e3:.0f} GB/s); its GEMMs "
             f"alone gate/up {t_up:.1f}, down {t_down:.1f}",
             flush=True,
         )
-        best = {}
+        best: dict[bool, tuple[int, int, int, int]] = {}
         for gated in (True, False):
-            times = {}
+            times: dict[tuple[int, int, int, int], float] = {}
             for tile in MLP_SWEEP:
                 field = "rows_gemm_gated_tile" if gated else "rows_gemm_tile"
-                tuning = dataclasses.replace(DEFAULT_TUNING, **{field: tile})
-                run = (
-                    (lambda i, t=tuning, x=x: rows_gemm(x, up[i % copies], gated=True, tuning=t))
-                    if gated
-                    else (lambda i, t=tuning, g=g, r=r: rows_gemm(g, down[i % copies], residual=r, tuning=t))
-                )
+                tuning = with_tiles({field: tile})
+
+                def run_gated(i: int, t: KernelTuning = tuning, x: torch.Tensor = x) -> torch.Tensor:
+                    return rows_gemm(x, up[i % copies], gated=True, tuning=t)
+
+                def run_down(
+                    i: int, t: KernelTuning = tuning, g: torch.Tensor = g, r: torch.Tensor = r
+                ) -> torch.Tensor:
+                    return rows_gemm(g, down[i % copies], residual=r, tuning=t)
+
+                run: Callable[[int], torch.Tensor] = run_gated if gated else run_down
                 try:
                     run(0)
                 except triton.runtime.errors.OutOfResources:
                     continue
                 times[tile] = timed(run)
-            top = sorted(times, key=times.get)[:4]
+            top = sorted(times, key=lambda c: times[c])[:4]
             best[gated] = top[0]
             print(
                 f"  rows_gemm {'gated gate/up' if gated else 'down + residual'}: "
@@ -212,7 +244,7 @@ def mlp(shape: str) -> None:
         best_tuning = dataclasses.replace(DEFAULT_TUNING, rows_gemm_gated_tile=best[True], rows_gemm_tile=best[False])
         for label, tuning in (("best tiles", best_tuning), ("the engine's tiles", DEFAULT_TUNING)):
             err = ((fused_mlp(0, tuning).float() - want).abs().max() / want.abs().max()).item()
-            t_fused = timed(lambda i, t=tuning: fused_mlp(i, t))
+            t_fused = timed(functools.partial(fused_mlp, tuning=tuning))
             print(
                 f"  two kernels, {label}: {t_fused:.1f} us a layer against {t_base:.1f} "
                 f"({LAYERS * (t_base - t_fused):+.0f} us a step of {LAYERS} layers); max rel err {err:.1e}",
@@ -241,7 +273,10 @@ def layer(shape: str, tokens: int, wide_k: bool = False) -> None:
     hidden, inter, heads, kv_heads, head = LAYER_SHAPES[shape]
     torch.manual_seed(0)
     t0 = time.time()
-    bf = dict(device="cuda", dtype=torch.bfloat16)
+
+    def randn(*shape_: int) -> torch.Tensor:
+        return torch.randn(*shape_, device="cuda", dtype=torch.bfloat16)
+
     qkv_out = (heads + 2 * kv_heads) * head
     weights = {
         "rope": (qkv_out, hidden),
@@ -250,14 +285,14 @@ def layer(shape: str, tokens: int, wide_k: bool = False) -> None:
         "down": (hidden, inter),
     }
     copies = {name: cold_copies(rows * cols * 2) for name, (rows, cols) in weights.items()}
-    ws = {name: [torch.randn(*shape_, **bf) * 0.02 for _ in range(copies[name])] for name, shape_ in weights.items()}
-    x, r, g = torch.randn(tokens, hidden, **bf), torch.randn(tokens, hidden, **bf), torch.randn(hidden, **bf)
-    att, h = torch.randn(tokens, heads * head, **bf), torch.randn(tokens, inter, **bf)
+    ws = {name: [randn(*shape_) * 0.02 for _ in range(copies[name])] for name, shape_ in weights.items()}
+    x, r, g = randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
+    att, h = randn(tokens, heads * head), randn(tokens, inter)
     rotary = Rotary(head, 1e4, None, 1024)
     cos, sin = rotary.cos.cuda(), rotary.sin.cuda()
     positions, slots = torch.arange(100, 100 + tokens, device="cuda"), torch.arange(100, 100 + tokens, device="cuda")
-    k_cache, v_cache = (torch.zeros(1, 1, 1024, kv_heads, head, **bf) for _ in range(2))
-    runs = {
+    k_cache, v_cache = (torch.zeros(1, 1, 1024, kv_heads, head, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    runs: dict[str, tuple[Callable[[torch.Tensor, KernelTuning], object], str, torch.Tensor]] = {
         "rope": (
             lambda w, t: rows_rope_store(
                 x, w, g, 1e-5, cos, sin, positions, slots, k_cache, v_cache, 0, heads, tuning=t
@@ -269,33 +304,44 @@ def layer(shape: str, tokens: int, wide_k: bool = False) -> None:
         "gated": (lambda w, t: rows_gemm(x, w, gated=True, norm=g, eps=1e-5, tuning=t), "gated", x),
         "down": (lambda w, t: rows_gemm(h, w, residual=r, tuning=t), "plain", h),
     }
-    best_sum, per_tile = 0.0, {}
+    best_sum = 0.0
+    per_tile: dict[str, dict[tuple[int, ...], float]] = {}
     engine_tiles = {getattr(DEFAULT_TUNING, name) for name in TILE_NAMES.values()}
     sweep = (*sorted(engine_tiles), *WIDE_K_SWEEP) if wide_k else LAYER_SWEEP
     for name, (run, kind, inp) in runs.items():
         n_copies, reps = copies[name], max(REPS, copies[name])
-        t_cublas = timed(lambda i, w=ws[name], inp=inp, n=n_copies: F.linear(inp, w[i % n]), reps)
-        times = {}
+        t_cublas = timed(functools.partial(_linear_copy, inp, ws[name], n_copies), reps)
+        times: dict[tuple[int, ...], float] = {}
         for tile in sweep:
-            tuning = dataclasses.replace(DEFAULT_TUNING, **{TILE_NAMES[kind]: tile})
+            tuning = with_tiles({TILE_NAMES[kind]: tile})
             try:
                 run(ws[name][0], tuning)
             except triton.runtime.errors.OutOfResources:
                 continue
-            times[tile] = timed(lambda i, t=tuning, run=run, w=ws[name], n=n_copies: run(w[i % n], t), reps)
+
+            def run_tile(
+                i: int,
+                t: KernelTuning = tuning,
+                run: Callable[[torch.Tensor, KernelTuning], object] = run,
+                w: list[torch.Tensor] = ws[name],
+                n: int = n_copies,
+            ) -> object:
+                return run(w[i % n], t)
+
+            times[tile] = timed(run_tile, reps)
             per_tile.setdefault(kind, {}).setdefault(tile, 0.0)
             per_tile[kind][tile] += times[tile]
-        top = sorted(times, key=times.get)[:6]
+        top = sorted(times, key=lambda c: times[c])[:6]
         best_sum += times[top[0]]
         print(
             f"{name:<7} {weights[name]} x{n_copies} cuBLAS {t_cublas:5.1f} us; rows kernel: "
             + "  ".join(f"{','.join(map(str, c))}: {times[c]:.1f}" for c in top),
             flush=True,
         )
-    best = {kind: min(tiles, key=tiles.get) for kind, tiles in per_tile.items()}
+    best = {kind: min(tiles, key=tiles.__getitem__) for kind, tiles in per_tile.items()}
     for kind, tile in best.items():
         print(f"best {kind} tile over its products: {tile} {per_tile[kind][tile]:.1f} us")
-    best_tuning = dataclasses.replace(DEFAULT_TUNING, **{TILE_NAMES[kind]: tile for kind, tile in best.items()})
+    best_tuning = with_tiles({TILE_NAMES[kind]: tile for kind, tile in best.items()})
     print(f"as an eagle_step variant: {format_variant(best_tuning)}")
     print(f"{tokens} tokens: best tiles {best_sum:.1f} us a layer; probe {time.time() - t0:.0f} s")
 
