@@ -334,7 +334,8 @@ def run_triton(
         raise UserError("--triton needs --engine (the server loads an engine directory)")
     out = {}
     with tempfile.TemporaryDirectory() as work:
-        repo = write_repository(args.engine, Path(work) / "repo", device=args.device)
+        serving = {"max_batch_size": args.max_batch_size} if args.max_batch_size else None
+        repo = write_repository(args.engine, Path(work) / "repo", device=args.device, serving=serving)
         with open(Path(work) / "tritonserver.log", "w") as log, TritonServer(repo, free_ports(), log=log) as server:
             for temperature in args.temperatures:
                 params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, end_id=IGNORE_END)
