@@ -55,8 +55,25 @@ class _Buffers:
         self.floats = torch.zeros(rows, 2, device=device)
         self.host_ints = torch.zeros(self.ints.shape, dtype=torch.long)
         self.host_floats = torch.zeros(self.floats.shape)
+        self.copied: torch.cuda.Event | None = None  # recorded after the last copy out of the host buffers
         if device.type == "cuda":
             self.host_ints, self.host_floats = self.host_ints.pin_memory(), self.host_floats.pin_memory()
+
+    def fill(self, ints: np.ndarray, floats: np.ndarray) -> None:
+        """The step's rows into the host buffers (padding rows: position 0 of the scratch block, greedy), then
+        to the device. The step before may still be queued, with its copy out of these same host buffers
+        behind it: that copy must have run before the host writes them again."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        rows = ints.shape[0]
+        host_ints, host_floats = self.host_ints.numpy(), self.host_floats.numpy()
+        host_ints[:rows], host_floats[:rows] = ints, floats
+        host_ints[rows:] = 0
+        host_floats[rows:] = (0.0, 1.0)
+        self.ints.copy_(self.host_ints, non_blocking=True)
+        self.floats.copy_(self.host_floats, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
 
 
 class BatchStep:
@@ -99,12 +116,7 @@ class BatchStep:
             return self.compiled(inputs, torch.from_numpy(floats), attn_len, mode)
         bucket = next(b for b in self.buckets if b >= rows)
         x = self.buffers[bucket]
-        host_ints, host_floats = x.host_ints.numpy(), x.host_floats.numpy()
-        host_ints[:rows], host_floats[:rows] = ints, floats
-        host_ints[rows:] = 0  # padding rows: position 0 of the scratch block, greedy
-        host_floats[rows:] = (0.0, 1.0)
-        x.ints.copy_(x.host_ints, non_blocking=True)
-        x.floats.copy_(x.host_floats, non_blocking=True)
+        x.fill(ints, floats)
         self._carry(x.ints, device_tokens, carried)
         key = (bucket, mode)
         if key not in self.graphs:
