@@ -21,18 +21,10 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from pipeline.triton.tensors import ENGINE_INPUT_OF, PREPROCESSING_INPUT_OF
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PREPROCESSING, POSTPROCESSING = "preprocessing", "postprocessing"
-# client input -> preprocessing input
-PREPROCESSING_INPUT_OF = {
-    "text_input": "QUERY",
-    "max_tokens": "REQUEST_OUTPUT_LEN",
-    "bad_words": "BAD_WORDS_DICT",
-    "stop_words": "STOP_WORDS_DICT",
-    "end_id": "END_ID",
-    "pad_id": "PAD_ID",
-    "apply_chat_template": "APPLY_CHAT_TEMPLATE",
-}
 # preprocessing output -> engine input
 ENGINE_INPUT_FROM_PREPROCESSING = {
     "INPUT_ID": "input_ids",
@@ -42,28 +34,6 @@ ENGINE_INPUT_FROM_PREPROCESSING = {
     "OUT_PAD_ID": "pad_id",
     "STOP_WORDS_IDS": "stop_words_list",
     "BAD_WORDS_IDS": "bad_words_list",
-}
-# client input -> engine input, passed through unchanged
-ENGINE_INPUT_OF = {
-    "num_return_sequences": "num_return_sequences",
-    "exclude_input_in_output": "exclude_input_in_output",
-    "top_k": "runtime_top_k",
-    "top_p": "runtime_top_p",
-    "temperature": "temperature",
-    "length_penalty": "len_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "min_tokens": "min_tokens",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "seed": "seed",
-    "return_log_probs": "return_log_probs",
-    "return_context_logits": "return_context_logits",
-    "return_generation_logits": "return_generation_logits",
-    "return_perf_metrics": "return_perf_metrics",
-    "return_num_input_tokens": "return_num_input_tokens",
-    "return_num_output_tokens": "return_num_output_tokens",
-    "beam_width": "beam_width",
-    "stream": "streaming",
 }
 PASSTHROUGH_OUTPUTS = (
     "cum_log_probs",
