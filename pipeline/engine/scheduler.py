@@ -30,11 +30,12 @@ from pipeline.engine.readback import Pending
 from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
 from pipeline.engine.sampling import SEED_LIMIT, EngineBusy, SamplingParams
 from pipeline.engine.stats import SpecStats
-from pipeline.engine.step import POSITION, SEED, TABLE, TEMPERATURE, TOKEN, TOP_K, TOP_P, BatchStep
+from pipeline.engine.step import CARRY, POSITION, SEED, TABLE, TEMPERATURE, TOKEN, TOP_K, TOP_P, BatchStep
 from pipeline.errors import UserError
 
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_PREFILL_CHUNK = 512
+NOT_CARRIED = -1  # a row's CARRY column when its token comes from the host
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,7 @@ class Request:
 @dataclass
 class _Inflight:
     rows: list[Request]
-    tokens: torch.Tensor  # [rows] on the device
-    host: Pending  # the same, on their way to the host
+    host: Pending  # the step's tokens on their way to the host
 
 
 class Scheduler:
@@ -115,7 +115,6 @@ class Scheduler:
         self.config = config
         self.max_batch_size = max_batch_size
         self.step = step
-        self.pool = step.pool if step is not None else None
         self.result = result
         self.stop_checker = stop_checker
         self.serial = serial
@@ -172,7 +171,7 @@ class Scheduler:
             return {
                 "waiting": len(self.waiting),
                 "running": len(self.running),
-                "used_blocks": self.pool.used_blocks if self.pool is not None else 0,
+                "used_blocks": self.step.pool.used_blocks if self.step is not None else 0,
             }
 
     # -- the device's side (the scheduler thread) -------------------------------------------------------
@@ -201,7 +200,7 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
-        for request in [r for r in self.running if r.cancelled and self.pool is not None]:
+        for request in [r for r in self.running if r.cancelled and self.step is not None]:
             self._release(request)
 
     def _admit(self) -> None:
@@ -246,26 +245,20 @@ class Scheduler:
         """Queue one decode step for `rows`. A row still waiting for the step in flight takes that step's
         token on the device, so the step is queued before the host has read the one before it."""
         previous = self.inflight
-        carried = []  # (row in this step, row in the step in flight)
-        for i, r in enumerate(rows):
+        for r in rows:
             self.batch.pool.grow(r.table, r.cached + 1)
             r.ints[TABLE : TABLE + len(r.table)] = r.table
             r.ints[POSITION] = r.cached
             if r.pending:
                 assert previous is not None
-                carried.append((i, previous.rows.index(r)))
+                r.ints[CARRY] = previous.rows.index(r)
             else:
-                r.ints[TOKEN] = r.out[-1]
-        tokens = self.batch.decode(
-            np.stack([r.ints for r in rows]),
-            np.stack([r.floats for r in rows]),
-            previous.tokens if previous is not None else None,
-            carried,
-        )
+                r.ints[TOKEN], r.ints[CARRY] = r.out[-1], NOT_CARRIED
+        tokens = self.batch.decode(np.stack([r.ints for r in rows]), np.stack([r.floats for r in rows]))
         for r in rows:
             r.cached += 1
             r.pending += 1
-        return _Inflight(rows, tokens, self.batch.readback.start(tokens))
+        return _Inflight(rows, self.batch.readback.start(tokens))
 
     def _read_inflight(self) -> None:
         """The step in flight's tokens to the host (the step's one sync), emitted."""
@@ -302,7 +295,7 @@ class Scheduler:
 
     def _finish(self, r: Request, error: BaseException) -> None:
         with self.lock:
-            if self.pool is not None:
+            if self.step is not None:
                 self._release(r)
         r.chunks.put(error)
 

@@ -10,8 +10,6 @@ the scheduler copies all of a step's tokens to the host at once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
@@ -33,8 +31,9 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return buckets + [max_batch_size]
 
 
-# Columns of a row's int64 step input: the token fed, its position, top-k, seed, then the block table.
-TOKEN, POSITION, TOP_K, SEED, TABLE = 0, 1, 2, 3, 4
+# Columns of a row's int64 step input: the token fed, its position, top-k, seed, the row of the step before
+# whose output it feeds instead of TOKEN (-1: none), then the block table.
+TOKEN, POSITION, TOP_K, SEED, CARRY, TABLE = 0, 1, 2, 3, 4, 5
 # Columns of a row's float input.
 TEMPERATURE, TOP_P = 0, 1
 
@@ -89,6 +88,7 @@ class BatchStep:
         self.buffers = {b: _Buffers(b, self.max_blocks, self.device) for b in self.buckets} if self.capture else {}
         self.graphs: dict[tuple[int, str], CapturedStep] = {}
         self.readback = Readback()  # a step's tokens on their way to the host while the next step runs
+        self.last = torch.zeros(self.buckets[-1], dtype=torch.long, device=self.device)  # the last step's tokens
         self.prefill_buffers: dict[int, _PrefillBuffers] = {}
         self.prefill_graphs: dict[tuple[int, str], CapturedStep] = {}
 
@@ -96,45 +96,33 @@ class BatchStep:
         """A request's step inputs (ints, floats), kept by the scheduler and updated in place."""
         return np.zeros(TABLE + self.max_blocks, dtype=np.int64), np.zeros(2, dtype=np.float32)
 
-    def decode(
-        self,
-        ints: np.ndarray,
-        floats: np.ndarray,
-        device_tokens: torch.Tensor | None = None,
-        carried: Sequence[tuple[int, int]] = (),
-    ) -> torch.Tensor:
+    def decode(self, ints: np.ndarray, floats: np.ndarray) -> torch.Tensor:
         """One token a row: ints [B, TABLE + blocks] and floats [B, 2] as laid out above (each row's table
-        already holds its new token's slot) -> [B] next tokens on the device. Row i of each (i, j) in
-        `carried` feeds device_tokens[j] instead of its TOKEN column (the output of a step the host has
-        not read yet)."""
+        already holds its new token's slot) -> [B] next tokens on the device. A row whose CARRY column is
+        j >= 0 feeds row j's output of the step before (still on the device, not read by the host) instead
+        of its TOKEN column."""
         rows = ints.shape[0]
         mode = step_mode(floats, ints)
         if not self.capture:
-            inputs = torch.from_numpy(ints)
-            self._carry(inputs, device_tokens, carried)
             attn_len = int(ints[:, POSITION].max()) + 1
-            return self.compiled(inputs, torch.from_numpy(floats), attn_len, mode)
-        bucket = next(b for b in self.buckets if b >= rows)
-        x = self.buffers[bucket]
-        x.fill(ints, floats)
-        self._carry(x.ints, device_tokens, carried)
-        key = (bucket, mode)
-        if key not in self.graphs:
-            self.graphs[key] = CapturedStep(
-                lambda: self.compiled(x.ints, x.floats, self.max_seq_len, mode), self.pool_handle
-            )
-        return self.graphs[key]()[:rows]
-
-    @staticmethod
-    def _carry(ints: torch.Tensor, device_tokens: torch.Tensor | None, carried: Sequence[tuple[int, int]]) -> None:
-        if not carried or device_tokens is None:
-            return
-        dst, src = zip(*carried)
-        index = torch.tensor((dst, src), device="cpu").to(ints.device, non_blocking=True)
-        ints[:, TOKEN].index_copy_(0, index[0], device_tokens.index_select(0, index[1]))
+            out = self.compiled(torch.from_numpy(ints), torch.from_numpy(floats), attn_len, mode)
+        else:
+            bucket = next(b for b in self.buckets if b >= rows)
+            x = self.buffers[bucket]
+            x.fill(ints, floats)
+            key = (bucket, mode)
+            if key not in self.graphs:
+                self.graphs[key] = CapturedStep(
+                    lambda: self.compiled(x.ints, x.floats, self.max_seq_len, mode), self.pool_handle
+                )
+            out = self.graphs[key]()
+        # Outside the graph: its warm-up runs before capture must all read the same carried tokens.
+        self.last[: out.shape[0]].copy_(out)
+        return out[:rows]
 
     def _decode(self, ints: torch.Tensor, floats: torch.Tensor, attn_len: int, mode: str) -> torch.Tensor:
-        tokens, top_k, seeds, table = ints[:, TOKEN], ints[:, TOP_K], ints[:, SEED], ints[:, TABLE:]
+        carry, top_k, seeds, table = ints[:, CARRY], ints[:, TOP_K], ints[:, SEED], ints[:, TABLE:]
+        tokens = torch.where(carry >= 0, self.last[carry.clamp(min=0)], ints[:, TOKEN])
         positions = ints[:, POSITION, None]
         view = PagedView(self.pool, positions, self.pool.slots(table, positions), table, positions[:, 0] + 1, attn_len)
         hidden, _ = self.target(tokens[:, None], paged_context(view, self.target.rotary))
