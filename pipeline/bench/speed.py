@@ -41,10 +41,14 @@ from pipeline.engine.kernels.routing import DRAFT_TOPK_ENV, LEVELS, attach, leve
 from pipeline.engine.model import ModelConfig, Transformer
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.scheduler import SchedulerConfig
 from pipeline.engine.stats import SpecStats
 from pipeline.engine.tree import MC_SIM_7B_63, build_tree
 from pipeline.errors import UserError
 
+# The single-stream suites run plain decoding through the loop speculative engines use (one request at a
+# time, fused single-token kernels), so "x plain" compares like with like; bench/load.py measures batches.
+SINGLE_STREAM = SchedulerConfig(batched=False)
 SUITES = ("roofline", "smollm2", "coldstart")
 SMOLLM2_DTYPES = ("float32", "bfloat16", "float16")
 SEED = 0
@@ -297,7 +301,9 @@ def run_roofline(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(shape, device, dtype)
     slots = ROOFLINE_PROMPT_LEN + cfg.decode_tokens + max(VERIFY_TREE_SIZES) + 1
-    engine = Engine(model, _IdsOnly(), EngineLimits(1, ROOFLINE_PROMPT_LEN, slots, 0), SpecConfig())
+    engine = Engine(
+        model, _IdsOnly(), EngineLimits(1, ROOFLINE_PROMPT_LEN, slots, 0), SpecConfig(), serving=SINGLE_STREAM
+    )
     gen = torch.Generator().manual_seed(SEED)
     prompt = torch.randint(shape.vocab_size, (ROOFLINE_PROMPT_LEN,), generator=gen).tolist()
     weight_bytes = streamed_bytes(model)
@@ -533,7 +539,7 @@ def run_group(
 
     def warmed(name: str) -> Engine:
         with env_vars(METHODS[name].env):
-            engine = Engine.from_dir(engine_dirs[name], device=str(device))
+            engine = Engine.from_dir(engine_dirs[name], device=str(device), serving=SINGLE_STREAM)
             with torch.inference_mode():
                 engine.generate(prompts[0], SamplingParams(max_tokens=32, end_id=-1))  # warm-up: graphs, kernels
         return engine

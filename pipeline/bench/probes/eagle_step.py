@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from pipeline.bench.probes.variants import HELP, parse_variant
-from pipeline.bench.speed import SEED, SHAPES, _IdsOnly, random_model
+from pipeline.bench.speed import SEED, SHAPES, SINGLE_STREAM, _IdsOnly, random_model
 from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig
 from pipeline.engine.eagle import Eagle3Net, EagleNet, EagleProposer
 from pipeline.engine.kernels.routing import attach
@@ -171,7 +171,9 @@ def main() -> None:
             use(tuning)
             proposer = EagleProposer(drafter, slots, None, spec.dynamic_tree, args.nodes)
             eagle = Engine(target, _IdsOnly(), limits, spec, proposer)
-            plain = Engine(target, _IdsOnly(), EngineLimits(1, args.prompt_tokens, slots, 0), SpecConfig())
+            plain = Engine(
+                target, _IdsOnly(), EngineLimits(1, args.prompt_tokens, slots, 0), SpecConfig(), serving=SINGLE_STREAM
+            )
             use(tuning)  # an Engine attaches its target with the default tuning; its graphs are captured below
             for engine in (eagle, plain):
                 engine.warm_up()
