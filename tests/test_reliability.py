@@ -231,3 +231,62 @@ def test_a_killed_engine_stub_is_reloaded_and_health_tells_the_truth(server):
     assert server.watchdog.reloads == [ENGINE_MODEL]
     _serves_normally(server)
     assert "stub of model 'tensorrt_llm' died" in server.tail_text()
+
+
+# A restart loads every model again: about 10 s for a tiny engine on 2 cores, longer beside a busy server.
+RESTART_S = 120.0
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Pids of living processes whose command line contains text."""
+    from pathlib import Path
+
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue  # the process ended while we looked
+    return pids
+
+
+def test_a_killed_tritonserver_is_restarted_on_the_same_ports(tiny_llama_dir, tmp_path):
+    """`specpipe serve`'s launcher: tritonserver killed with SIGKILL comes back on the same ports (not ready
+    meanwhile), serves again, and a requested stop leaves no process behind."""
+    from pipeline.triton.server import MAX_RESTARTS, group_members
+
+    engine = convert_and_build(tiny_llama_dir, tmp_path / "build", **LIMITS)
+    repo = write_repository(engine, tmp_path / "repo")
+    log_file = tmp_path / "tritonserver.log"
+    with open(log_file, "w") as log, TritonServer(repo, free_ports(), log=log, max_restarts=MAX_RESTARTS) as server:
+        _serves_normally(server)
+        first_pid = server.process.pid
+        os.kill(first_pid, signal.SIGKILL)
+        ready = f"http://{server.http_url}/v2/health/ready"
+        deadline = time.monotonic() + DETECT_S
+        while _is_ready(ready):
+            assert time.monotonic() < deadline, "still ready after tritonserver was killed"
+            time.sleep(0.1)
+        deadline = time.monotonic() + RESTART_S
+        while not _is_ready(ready):
+            assert time.monotonic() < deadline, f"not ready again {RESTART_S:.0f} s after the kill; see {log_file}"
+            time.sleep(0.5)
+        _serves_normally(server)
+        assert server.process.pid != first_pid
+        assert len(server.crashes) == 1 and server.failure is None
+        assert list(SHM_DIR.glob(f"{server.shm_prefix}*")), "the restarted server's stubs have no shared memory"
+        pids = (first_pid, server.process.pid)
+    text = log_file.read_text()
+    assert f"tritonserver (pid {first_pid}) exited unasked with signal SIGKILL" in text
+    assert "tritonserver is ready again" in text
+    assert not _processes_naming(server.shm_prefix), "a tritonserver or stub is still running"
+    assert not [pid for pid in pids if group_members(pid)], "a process of a server's group is still running"
+    assert not list(SHM_DIR.glob(f"{server.shm_prefix}*")), "shared-memory regions left behind"
+
+
+def _is_ready(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=5).status_code == 200
+    except requests.ConnectionError:
+        return False

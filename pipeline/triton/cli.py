@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from google.protobuf import text_format
@@ -14,7 +16,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from pipeline.errors import UserError
 from pipeline.triton.repo import ENSEMBLE, PREPROCESSING, write_repository
-from pipeline.triton.server import LOCALHOST, Ports, TritonServer
+from pipeline.triton.server import LOCALHOST, MAX_RESTARTS, RESTART_WINDOW_S, Ports, TritonServer
 
 DEFAULT_REPO = "triton_repo"
 OPENAI_FRONT_MODULE = "pipeline.openai_front"
@@ -42,6 +44,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--metrics-port", type=int, default=defaults.metrics)
     serve.add_argument("--openai-port", type=int, help="also serve the OpenAI-compatible API on this port")
     serve.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    serve.add_argument(
+        "--max-restarts",
+        type=int,
+        default=MAX_RESTARTS,
+        help=f"restart a crashed tritonserver up to this many times within {RESTART_WINDOW_S:.0f} s, then exit "
+        f"non-zero (default {MAX_RESTARTS}; 0: exit on the first crash)",
+    )
     serve.set_defaults(func=run_serve)
 
 
@@ -76,6 +85,13 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _interrupt_on_give_up(server: TritonServer) -> None:
+    """The OpenAI front holds the main thread: once the restarts are given up, stop it as SIGTERM does."""
+    server.wait()
+    if server.failure:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     repo = Path(args.repo)
     openai_serve = None
@@ -91,8 +107,9 @@ def run_serve(args: argparse.Namespace) -> int:
             ) from None
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the server like Ctrl-C does
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
+    server = TritonServer(repo, ports, log_verbose=args.log_verbose, max_restarts=args.max_restarts)
     try:
-        with TritonServer(repo, ports, log_verbose=args.log_verbose) as server:
+        with server:
             print(
                 json.dumps(
                     {"http": f"http://{server.http_url}", "grpc": server.grpc_url, "metrics": server.metrics_url}
@@ -102,11 +119,15 @@ def run_serve(args: argparse.Namespace) -> int:
             )
             if openai_serve is not None:
                 print(f"OpenAI API on http://{LOCALHOST}:{args.openai_port}/v1", file=sys.stderr, flush=True)
+                threading.Thread(target=_interrupt_on_give_up, args=(server,), daemon=True).start()
                 openai_serve(server.grpc_url, LOCALHOST, args.openai_port, ENSEMBLE, repo_tokenizer_dir(repo))
             else:
                 code = server.wait()
-                if code:
+                if code and not server.failure:
                     raise UserError(f"tritonserver exited with code {code}; its last log lines: {server.tail_text()}")
     except KeyboardInterrupt:
-        print("stopped tritonserver", file=sys.stderr)
+        pass
+    if server.failure:
+        raise UserError(server.failure)
+    print("stopped tritonserver", file=sys.stderr)
     return 0

@@ -1,4 +1,5 @@
 """Start a real `tritonserver` on a model repository and stop it cleanly: `with TritonServer(repo) as server:`.
+With `max_restarts`, a tritonserver that dies unasked is started again on the same ports (`specpipe serve`).
 
 The binary is the one on PATH (NGC container) or else the one bundled in the nvidia-pytriton wheel,
 which needs its library folder and the Python's on LD_LIBRARY_PATH, the venv first on PATH, and a
@@ -50,6 +51,12 @@ SHM_PREFIX = "triton_python_backend_shm_region_specpipe"
 # form bodies up to about half of it parse; the preprocessing model then refuses the prompt by its bytes.
 THREAD_STACK_BYTES = 256 * 1024 * 1024
 MAX_FORM_BODY_BYTES = THREAD_STACK_BYTES // 2 - 1024 * 1024  # the two arrays plus the parser's own frames
+# Restarts after tritonserver died unasked: `specpipe serve` allows MAX_RESTARTS crashes within any
+# RESTART_WINDOW_S and gives up on the next one; a server that crashes now and then keeps being restarted.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 600.0
+# How long a crashed server's leftovers (its stubs, its log pipe, its ports) may take to go away.
+LEFTOVER_TIMEOUT_S = 30.0
 BACKEND_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specpipe" / "triton_backends"
 _instance_counter = itertools.count()
 
@@ -148,6 +155,37 @@ def server_command(repo: Path, ports: Ports, shm_prefix: str, log_verbose: int) 
     return [str(binary), *args, f"--backend-directory={bundled_backend_dir(pytriton)}"], env
 
 
+def describe_exit(code: int) -> str:
+    """A Popen return code in words: "exit code 1", "signal SIGKILL"."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
+
+
+def group_members(pgid: int) -> list[int]:
+    """Living (not zombie) processes of process group pgid."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # After comm's ')': state ppid pgrp ...
+            state, _, pgrp = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # the process ended while we looked
+        if int(pgrp) == pgid and state != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((LOCALHOST, port)) == 0
+
+
 def python_stubs(server_pid: int) -> dict[int, str]:
     """{pid: model name} of the server's living Python-backend stubs (zombies left out). A stub's first
     argument is its model file, <repo>/<model>/<version>/model.py."""
@@ -223,7 +261,11 @@ class TritonServer:
         log: TextIO | None = None,
         ready_timeout_s: float = READY_TIMEOUT_S,
         log_verbose: int = 0,
+        max_restarts: int = 0,
+        restart_window_s: float = RESTART_WINDOW_S,
     ):
+        """max_restarts: how many unasked exits of tritonserver within restart_window_s are answered with a
+        restart on the same ports (0: none, the process just ends; wait() returns its code)."""
         self.repo = Path(repo).resolve()
         if not (self.repo.is_dir() and any(self.repo.glob("*/config.pbtxt"))):
             raise UserError(
@@ -238,6 +280,13 @@ class TritonServer:
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._log_thread: threading.Thread | None = None
         self.watchdog: StubWatchdog | None = None
+        self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
+        self.crashes: list[float] = []  # monotonic times of unasked exits (tests read it)
+        self.failure: str | None = None  # why the restarts were given up, once they were
+        self._stopping = threading.Event()
+        self._launch_lock = threading.Lock()  # a stop() never misses a process being started
+        self._supervisor: threading.Thread | None = None
 
     @property
     def http_url(self) -> str:
@@ -258,35 +307,123 @@ class TritonServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    @property
+    def _ports(self) -> tuple[int, int, int]:
+        return (self.ports.http, self.ports.grpc, self.ports.metrics)
+
     def start(self) -> None:
-        for port in (self.ports.http, self.ports.grpc, self.ports.metrics):
-            with socket.socket() as s:
-                if s.connect_ex((LOCALHOST, port)) == 0:
-                    raise UserError(
-                        f"port {port} on {LOCALHOST} is in use; stop that server or choose other "
-                        "--http-port/--grpc-port/--metrics-port"
-                    )
-        cmd, env = server_command(self.repo, self.ports, self.shm_prefix, self.log_verbose)
-        # A new session, so that stopping the server also stops its Python-backend stub processes.
-        self.process = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            start_new_session=True,
-            preexec_fn=_raise_stack_limit,
-        )
-        self._log_thread = threading.Thread(target=self._forward_logs, daemon=True)
-        self._log_thread.start()
+        for port in self._ports:
+            if _port_in_use(port):
+                raise UserError(
+                    f"port {port} on {LOCALHOST} is in use; stop that server or choose other "
+                    "--http-port/--grpc-port/--metrics-port"
+                )
         try:
+            self._launch()
             self._wait_ready()
         except BaseException:
             self.stop()
             raise
+        self._start_watchdog()
+        if self.max_restarts > 0:
+            self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="tritonserver-supervisor")
+            self._supervisor.start()
+
+    def _launch(self) -> None:
+        """Start a tritonserver process and the thread that forwards its log (not waiting for it to be ready)."""
+        cmd, env = server_command(self.repo, self.ports, self.shm_prefix, self.log_verbose)
+        with self._launch_lock:
+            if self._stopping.is_set():
+                raise UserError("the server is stopping")
+            # A new session, so that stopping the server also stops its Python-backend stub processes.
+            self.process = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+                start_new_session=True,
+                preexec_fn=_raise_stack_limit,
+            )
+        self._log_thread = threading.Thread(target=self._forward_logs, args=(self.process,), daemon=True)
+        self._log_thread.start()
+
+    def _start_watchdog(self) -> None:
         self.watchdog = StubWatchdog(self)
         self.watchdog.start()
+
+    def _supervise(self) -> None:
+        """Restart tritonserver whenever it exits unasked, until more than max_restarts crashes fall within
+        restart_window_s; then record `failure` and end (wait() returns)."""
+        while True:
+            process = self._started()
+            code = process.wait()
+            if self._stopping.is_set():
+                return
+            self._clean_up_after(process)
+            now = time.monotonic()
+            self.crashes.append(now)
+            recent = [t for t in self.crashes if now - t <= self.restart_window_s]
+            self.note(
+                f"tritonserver (pid {process.pid}) exited unasked with {describe_exit(code)} "
+                f"({len(recent)} crash(es) in the last {self.restart_window_s:.0f} s); "
+                f"its last log lines: {self.tail_text()}"
+            )
+            if len(recent) > self.max_restarts:
+                self.failure = (
+                    f"tritonserver crashed {len(recent)} times within {self.restart_window_s:.0f} s, more than "
+                    f"the {self.max_restarts} restarts allowed; giving up (last: {describe_exit(code)}; "
+                    f"its log: {self._log_name()})"
+                )
+                return
+            self.note(f"restarting tritonserver on {self.http_url} (HTTP), {self.grpc_url} (gRPC)")
+            busy = self._wait_ports_free()
+            if busy:
+                self.failure = (
+                    f"port(s) {busy} on {LOCALHOST} were still in use {LEFTOVER_TIMEOUT_S:.0f} s after tritonserver "
+                    f"crashed; giving up (its log: {self._log_name()})"
+                )
+                return
+            self.log_tail.clear()  # the next crash's tail is the next run's
+            try:
+                self._launch()
+                self._wait_ready()
+            except (UserError, OSError):
+                if self._stopping.is_set():
+                    return
+                # Exited while loading, or not ready in time (killed here): the loop counts it as the next crash.
+                if self._started().poll() is None:
+                    self.note(f"the restarted tritonserver was not ready within {self.ready_timeout_s:.0f} s")
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self._started().pid, signal.SIGKILL)
+                continue
+            self._start_watchdog()
+            self.note(f"tritonserver is ready again (pid {self._started().pid})")
+
+    def _clean_up_after(self, process: subprocess.Popen[str]) -> None:
+        """After tritonserver died: kill its stubs, read the rest of its log, remove its shared memory."""
+        deadline = time.monotonic() + LEFTOVER_TIMEOUT_S
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        while group_members(process.pid) and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL_S)
+        if self._log_thread is not None:
+            # The stubs held the log pipe open too; with them gone it ends.
+            self._log_thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.remove_shm()
+
+    def _wait_ports_free(self) -> list[int]:
+        """Wait up to LEFTOVER_TIMEOUT_S for the server's ports to be free; those still in use."""
+        deadline = time.monotonic() + LEFTOVER_TIMEOUT_S
+        while (busy := [port for port in self._ports if _port_in_use(port)]) and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL_S)
+        return busy
+
+    def _log_name(self) -> str:
+        """Where the server log goes: its file, or stderr."""
+        name = getattr(self.log, "name", None)
+        return name if isinstance(name, str) and not name.startswith("<") else "stderr, above"
 
     def note(self, message: str) -> None:
         """A line of the launcher's own in the server log."""
@@ -312,8 +449,8 @@ class TritonServer:
         assert self.process is not None, "the server was not started"
         return self.process
 
-    def _forward_logs(self) -> None:
-        stdout = self._started().stdout
+    def _forward_logs(self, process: subprocess.Popen[str]) -> None:
+        stdout = process.stdout
         assert stdout is not None  # started with stdout=PIPE
         for line in stdout:
             self.log_tail.append(line.rstrip())
@@ -321,7 +458,8 @@ class TritonServer:
             self.log.flush()
 
     def tail_text(self) -> str:
-        return " | ".join(line for line in self.log_tail if line.strip())[-2000:]
+        """The last log lines on one line, runs of blanks (Triton's padded tables) squeezed."""
+        return " | ".join(" ".join(line.split()) for line in self.log_tail if line.strip())[-2000:]
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
@@ -347,23 +485,35 @@ class TritonServer:
         )
 
     def wait(self) -> int:
-        return self._started().wait()
+        """Block until tritonserver has ended for good; its exit code. With restarts, that is after they were
+        given up (`failure` says why; never 0 then) or after stop()."""
+        if self._supervisor is None:
+            return self._started().wait()
+        while self._supervisor.is_alive():
+            self._supervisor.join(POLL_INTERVAL_S)  # in steps, so that Ctrl-C gets through
+        code = self._started().wait()
+        return (code or 1) if self.failure else code
 
     def stop(self) -> None:
+        self._stopping.set()
         if self.watchdog is not None:
             self.watchdog.stopping.set()
-        if self.process is not None and self.process.poll() is None:
+        with self._launch_lock:
+            process = self.process  # none starts after this: _launch checks _stopping under the lock
+        if process is not None and process.poll() is None:
             # tritonserver alone: it finalizes its stubs itself.
-            self.process.send_signal(signal.SIGTERM)
+            process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=STOP_TIMEOUT_S)
+                process.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 pass
-        if self.process is not None:
+        if process is not None:
             # Stubs still running after tritonserver ended (it gave up on an unload) would outlive it.
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=STOP_TIMEOUT_S)
         if self._log_thread is not None:
             self._log_thread.join(timeout=STOP_TIMEOUT_S)
         self.remove_shm()
