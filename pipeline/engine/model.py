@@ -177,12 +177,17 @@ class KVCache:
 
 
 class RMSNorm(nn.Module):
+    # kernels.invariant's norm (x, weight, eps) when kernels.routing.attach asked for batch-invariant outputs
+    invariant: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant is not None:
+            return self.invariant(x, self.weight, self.eps)
         # Normalise in float32 like Hugging Face, then cast back: bf16 variance loses digits.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -190,16 +195,22 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose single-token products may go through our GEMV kernel (set by kernels.routing.attach on
-    CUDA), and whose CPU products go through oneDNN (set by onednn.pack); otherwise F.linear."""
+    """nn.Linear whose single-token products may go through our GEMV kernel, or all its products through the
+    batch-invariant kernel (set by kernels.routing.attach on CUDA), and whose CPU products go through oneDNN
+    (set by onednn.pack); otherwise F.linear."""
 
     gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     packed: torch.Tensor | None = None  # CPU: the weight as oneDNN reordered it (onednn.pack)
+    # kernels.invariant's product (x [M, K], weight, bias) for every row count, when kernels.routing.attach
+    # asked for batch-invariant outputs
+    invariant: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
             return y.view(*x.shape[:-1], -1)
+        if self.invariant is not None:
+            return self.invariant(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], -1)
         if self.gemv is None or x.shape[:-1].numel() != 1:
             return F.linear(x, self.weight, self.bias)
         y = self.gemv(x.reshape(-1), self.weight).view(*x.shape[:-1], -1)

@@ -5,4 +5,5 @@
 - gemv: single-token products, cuBLAS against the GEMV kernel over its block sizes.
 - tree_gemm: products of a tree's rows: cuBLAS, rows_gemm and its tiles (MLP, small layers).
 - eagle_step: the EAGLE dynamic step on random weights, A/B by kernel tuning.
+- invariance: the batch-invariant products against cuBLAS and the GEMV, and which routes are row invariant.
 """

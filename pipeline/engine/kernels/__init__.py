@@ -8,4 +8,5 @@
 - rotary.py: rotary embedding and the cache write (rope_store), and their helpers for the epilogues.
 - attention.py: slot attention of one or several tokens (split kernels and their merge).
 - topk.py: a drafter's LM head + log-softmax + top-k (lm_head_topk) and the small top-k (row_topk).
+- invariant.py: batch-invariant products and RMS norm (every row's sums in one order for any row count).
 """

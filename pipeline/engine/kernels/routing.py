@@ -10,6 +10,9 @@ Levels (`SPECPIPE_KERNELS`, read by attach):
   tokens (prefills) keep cuBLAS and SDPA. Layers the kernels do not cover (biases, other activations, head
   sizes that are not a power of two) keep the gemv level.
 - off: cuBLAS and SDPA everywhere.
+attach(..., invariant=True) puts every product of a Linear (any row count) and every RMS norm on the
+batch-invariant kernels of invariant.py instead of the GEMV, the fused layers and cuBLAS: a token's outputs are
+then the same bits whatever the batch, tree or speculation around it (attention is the attention kernels' part).
 At gemv and fused, the attention of graph steps (one token or several: trees, an EAGLE draft's passes) reads
 only the slots in use through slot_attention, instead of SDPA over every cache slot with a mask.
 
@@ -43,6 +46,7 @@ LEVELS = ("fused", "gemv", "off")
 DRAFT_TOPK_ENV = "SPECPIPE_DRAFT_TOPK"
 DRAFT_TOPK_CHOICES = ("fused", "torch")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+INVARIANT_DTYPES = (*HALF_DTYPES, torch.float32)
 CUDA_ONLY = ("cuda",)
 
 
@@ -139,13 +143,18 @@ def attach(
     device_types: tuple[str, ...] = CUDA_ONLY,
     draft_topk: bool | None = None,
     tuning: KernelTuning = DEFAULT_TUNING,
+    invariant: bool = False,
 ) -> dict[str, int]:
     """Route `model`'s single-token work, and the attention of its graph steps, through the kernels at
     `kernels` (default: the environment's level) with `tuning`, and an EAGLE drafter's top-k's through
     drafter_kernels. Returns how many Linear layers use the GEMV, how many decoder layers run fused, how many
     attention layers read through slot_attention and how many drafters use the top-k kernels. Calling it again
-    with another level or tuning re-routes (the benchmark compares levels on one model)."""
+    with another level or tuning re-routes (the benchmark compares levels on one model).
+    invariant: every Linear and RMS norm on device_types (half precision or float32) runs the batch-invariant
+    kernels for every row count, no GEMV and no fused layer; the counts add invariant_linears and
+    invariant_norms."""
     kernels = kernels or level()
+    invariant_counts = route_invariant(model, device_types, tuning if invariant else None)
     drafters = [m for m in model.modules() if isinstance(m, Drafter)]
     for m in drafters:
         m.drafter = drafter_kernels(m.lm_head.weight, kernels, device_types, draft_topk, tuning)
@@ -164,13 +173,13 @@ def attach(
     linears = [m for m in model.modules() if isinstance(m, Linear) and eligible(m)]
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer) and eligible(m.mlp.proj)]
     gemv = None
-    if kernels != "off" and linears:
+    if kernels != "off" and linears and not invariant:
         from pipeline.engine.kernels.gemv import gemv as gemv_kernel
 
         gemv = _tuned(gemv_kernel, tuning)
     for lin in linears:
         lin.gemv = gemv
-    fused = [m for m in layers if kernels == "fused" and fusable(m)]
+    fused = [m for m in layers if kernels == "fused" and not invariant and fusable(m)]
     for layer in layers:
         layer.fused = _tuned(fused_layer, tuning) if layer in fused else None
     return {
@@ -178,7 +187,37 @@ def attach(
         "fused_layers": len(fused),
         "attention_layers": sum(m.slot_attention is not None for m in attentions),
         "draft_topk": sum(m.drafter.fused for m in drafters),
+        **invariant_counts,
     }
+
+
+def route_invariant(
+    model: nn.Module, device_types: tuple[str, ...] = CUDA_ONLY, tuning: KernelTuning | None = None
+) -> dict[str, int]:
+    """Set (with a tuning) or clear (None) the batch-invariant hooks of `model`'s Linear layers and RMS norms on
+    device_types in half precision or float32. Returns the counts routed, none when clearing."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    if tuning is None:
+        for lin in linears:
+            lin.invariant = None
+        for norm in norms:
+            norm.invariant = None
+        return {}
+    if importlib.util.find_spec("triton") is None:
+        raise UserError("batch-invariant kernels need Triton: install it or leave invariant off")
+    from pipeline.engine.kernels.invariant import invariant_linear, invariant_rms_norm
+
+    def eligible(weight: torch.Tensor) -> bool:
+        return weight.device.type in device_types and weight.dtype in INVARIANT_DTYPES
+
+    routed_linears = [m for m in linears if eligible(m.weight)]
+    routed_norms = [m for m in norms if eligible(m.weight)]
+    for lin in routed_linears:
+        lin.invariant = _tuned(invariant_linear, tuning)
+    for norm in routed_norms:
+        norm.invariant = _tuned(invariant_rms_norm, tuning)
+    return {"invariant_linears": len(routed_linears), "invariant_norms": len(routed_norms)}
 
 
 def fusable(layer: DecoderLayer) -> bool:

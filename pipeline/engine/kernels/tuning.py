@@ -76,6 +76,23 @@ class KernelTuning:
     # barely faster.
     float32_dot: str = "ieee"
 
+    # --- Batch-invariant products and norms (attach(..., invariant=True)): every row's sums in one order for any
+    # row count, so a token's outputs do not depend on the batch or the tree around it.
+    # (BLOCK_M rows, BLOCK_N outputs, BLOCK_K columns, warps, stages) of every product: fixed, never picked
+    # from the row count (another tile would sum in another order).
+    invariant_tile: tuple[int, int, int, int, int] = (16, 64, 128, 4, 4)
+    # K is split until the output tiles times the splits reach this many programs (a one-row product streams
+    # its weights: it needs programs on every SM), at most invariant_max_splits spans of at least
+    # invariant_min_blocks_per_split column blocks; from (N, K) only.
+    invariant_programs: int = 512
+    invariant_max_splits: int = 16
+    invariant_min_blocks_per_split: int = 2
+    invariant_sum_block: int = 1024  # outputs a program of the split sum adds
+    invariant_max_rows: int = 1024  # rows of one launch: bounds the float32 partials of a prefill
+    # The norm: a program a row, invariant_norm_block columns a step.
+    invariant_norm_block: int = 1024
+    invariant_norm_warps: int = 4
+
     # --- A drafter's top-k's (EAGLE's nets, Medusa's heads).
     # LM head, log-softmax and top-k in one kernel: each program takes draft_topk_tile vocabulary rows for all
     # the depth's rows (at most draft_topk_max_rows, one tl.dot tile), draft_topk_block_h hidden columns a step.
@@ -100,6 +117,9 @@ class KernelTuning:
             self.draft_topk_max_rows,
             self.draft_topk_block_h,
             self.row_topk_max,
+            *self.invariant_tile[:3],
+            self.invariant_sum_block,
+            self.invariant_norm_block,
         )
         if not all(map(_power_of_two, blocks)):
             raise ValueError(f"KernelTuning: block sizes must be powers of two: {self}")
@@ -109,6 +129,8 @@ class KernelTuning:
             or any(len(t) != 5 for t in (self.rows_small_rope_tile, self.rows_small_gated_tile, self.rows_small_tile))
         ):
             raise ValueError("KernelTuning: rows_gemm tiles take 4 values, rows_small tiles 5")
+        if len(self.invariant_tile) != 5 or min(self.invariant_programs, self.invariant_min_blocks_per_split) < 1:
+            raise ValueError(f"KernelTuning: invariant_tile takes 5 values, invariant counts are positive: {self}")
         if self.float32_dot not in FLOAT32_DOT_MODES:
             raise ValueError(f"KernelTuning.float32_dot={self.float32_dot!r}: use one of {FLOAT32_DOT_MODES}")
 
