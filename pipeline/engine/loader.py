@@ -15,9 +15,11 @@ from pipeline.engine.eagle import Eagle3Net, EagleNet, EagleProposer
 from pipeline.engine.medusa import MedusaHead, MedusaProposer, medusa_heads
 from pipeline.engine.model import ModelConfig, Transformer
 from pipeline.engine.ngram import NgramProposer
+from pipeline.engine.parallel import ParallelConfig
 from pipeline.engine.runner import Engine, prepare_kernels
 from pipeline.engine.scheduler import SchedulerConfig
 from pipeline.engine.speculative import Proposer
+from pipeline.engine.tp_loader import load_tensor_parallel, tp_size
 from pipeline.engine.tree import build_tree
 from pipeline.engine.weights import engine_state_dict, load_into
 from pipeline.errors import UserError, read_json
@@ -40,7 +42,11 @@ def build_transformer(config: dict, tensors: dict[str, torch.Tensor], what: str,
 
 
 def load_engine(
-    engine: EngineDir, device: torch.device, dtype: torch.dtype | None, serving: SchedulerConfig | None = None
+    engine: EngineDir,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    serving: SchedulerConfig | None = None,
+    parallel: ParallelConfig | None = None,
 ) -> Engine:
     from transformers import AutoTokenizer
 
@@ -51,6 +57,9 @@ def load_engine(
             f"{engine.path}: a {engine.backend!r} engine runs in TensorRT-LLM, not the portable engine; "
             "build with --backend portable"
         )
+    if tp_size(engine) > 1:  # one process a rank, each loading its own shard
+        dtype = dtype or DTYPES[engine.pretrained_config.get("dtype", "float32")]
+        return load_tensor_parallel(engine, device, dtype, max_positions(engine), serving, parallel or ParallelConfig())
     config, tensors = read_checkpoint(engine.path)
     dtype = dtype or DTYPES[config.get("dtype", "float32")]
     target = build_transformer(config, tensors, str(engine.path), max_positions(engine)).to(device, dtype).eval()
