@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.engine.kv_cache import BlockPool
-from pipeline.engine.paged_attention import paged_decode_attention
+from pipeline.engine.paged_attention import paged_attention, paged_decode_attention
 
 # (rows' lengths, heads, kv heads, head size, block size, dtype)
 CASES = (
@@ -55,6 +55,7 @@ def check(device: str) -> None:
             )
             assert torch.equal(alone, got[r : r + 1]), (lengths, r)
     check_batch_invariance(device)
+    check_tree_nodes(device)
     print("ok")
 
 
@@ -87,6 +88,67 @@ def check_batch_invariance(device: str) -> None:
             )
             for r in range(batch):
                 assert torch.equal(got[r : r + 1], alone[r]), (dtype, batch, r)
+
+
+def check_tree_nodes(device: str) -> None:
+    """A tree node reads the accepted text and then its path, and gets bitwise what a decode step gets once
+    that path is compacted behind the text; a batch of rows' trees in one call gives each row's own result."""
+    torch.manual_seed(2)
+    block, heads, kv_heads, head = 8, 4, 2, 16
+    parents = [-1, 0, 0, 1, 1, 2, 3]  # a tree of 7 nodes, 3 deep
+    paths = []
+    for node in range(len(parents)):
+        up = [node]
+        while parents[up[-1]] >= 0:
+            up.append(parents[up[-1]])
+        paths.append(up[::-1])
+    width = max(len(p) for p in paths)
+    for dtype in (torch.float32, torch.bfloat16):
+        prefixes = [5, 13, 1]
+        rows, nodes = len(prefixes), len(parents)
+        blocks = -(-(max(prefixes) + nodes) // block)
+        pool = BlockPool(1, 1 + rows * blocks, block, kv_heads, head, dtype, device)
+        pool.k.normal_()
+        pool.v.normal_()
+        tables = []
+        for _ in prefixes:
+            table: list[int] = []
+            pool.grow(table, blocks * block)
+            tables.append(table[::-1])
+        table_t = torch.tensor(tables, device=device)
+        q = torch.randn(rows, nodes, heads, head, device=device).to(dtype)
+        prefix = torch.tensor(prefixes, device=device)[:, None].expand(rows, nodes)
+        region = torch.tensor([[p + [p[-1]] * (width - len(p)) for p in paths]], device=device) + prefix[:, :, None]
+        count = torch.tensor([len(p) for p in paths], device=device)[None].expand(rows, nodes)
+        got = paged_attention(q, pool.k[0], pool.v[0], table_t, prefix, region, count, block)
+        for r, length in enumerate(prefixes):
+            for node, path in enumerate(paths):
+                alone = paged_attention(
+                    q[r : r + 1, node : node + 1],
+                    pool.k[0],
+                    pool.v[0],
+                    table_t[r : r + 1],
+                    prefix[r : r + 1, node : node + 1],
+                    region[r : r + 1, node : node + 1],
+                    count[r : r + 1, node : node + 1],
+                    block,
+                )
+                assert torch.equal(alone[0, 0], got[r, node]), (dtype, r, node)
+                compacted = BlockPool(1, pool.num_blocks, block, kv_heads, head, dtype, device)
+                compacted.k.copy_(pool.k)
+                compacted.v.copy_(pool.v)
+                src = compacted.slots(table_t[r], torch.tensor([length + n for n in path], device=device))
+                dst = compacted.slots(table_t[r], torch.arange(length, length + len(path), device=device))
+                compacted.move(src, dst)
+                decoded = paged_decode_attention(
+                    q[r : r + 1, node],
+                    compacted.k[0],
+                    compacted.v[0],
+                    table_t[r : r + 1],
+                    torch.tensor([length + len(path)], device=device),
+                    block,
+                )
+                assert torch.equal(decoded[0], got[r, node]), ("compacted", dtype, r, node)
 
 
 if __name__ == "__main__":

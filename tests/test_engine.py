@@ -12,6 +12,7 @@ import torch
 from conftest import convert_and_build, stream_by_run_ahead
 
 from pipeline.convert.source import load_hf_model
+from pipeline.engine import parallel
 from pipeline.engine.runner import Engine, RequestError, SamplingParams
 from pipeline.engine.scheduler import SchedulerConfig
 
@@ -46,14 +47,17 @@ def serial_engine(tiny_llama_dir: Path, tmp_path_factory) -> Engine:
 @pytest.mark.parametrize("arch,tp,pp", [("llama", 1, 1), ("llama", 2, 1), ("llama", 2, 2), ("qwen2", 2, 1)])
 def test_tiny_greedy_matches_hugging_face(arch, tp, pp, tiny_llama_dir, tiny_qwen2_dir, tmp_path):
     folder = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
-    engine = Engine.from_dir(convert_and_build(folder, tmp_path, tp=tp, pp=pp))
+    engine = Engine.from_dir(convert_and_build(folder, tmp_path, tp=tp, pp=pp))  # TP 2 (PP 1): two processes
     hf = load_hf_model(str(folder))
-    for text in PROMPTS:
-        ids = engine.tokenizer(text).input_ids
-        got = engine.generate(ids, SamplingParams(max_tokens=24, end_id=-1))
-        assert got.token_ids == hf_greedy(hf, ids, 24), text
-        assert (got.stats.steps, got.stats.draft_tokens, got.stats.accepted_tokens) == (23, 0, 0)
-        assert got.stats.acceptance_length == 1.0
+    try:
+        for text in PROMPTS:
+            ids = engine.tokenizer(text).input_ids
+            got = engine.generate(ids, SamplingParams(max_tokens=24, end_id=-1))
+            assert got.token_ids == hf_greedy(hf, ids, 24), text
+            assert (got.stats.steps, got.stats.draft_tokens, got.stats.accepted_tokens) == (23, 0, 0)
+            assert got.stats.acceptance_length == 1.0
+    finally:
+        parallel.shutdown()  # one tensor-parallel engine a process
 
 
 @pytest.mark.slow

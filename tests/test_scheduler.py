@@ -217,18 +217,20 @@ def test_the_paged_decode_kernel_matches_the_gathered_attention():
     assert "ok" in done.stdout
 
 
-def test_a_speculative_engine_serves_concurrent_requests_one_at_a_time_and_exactly(tiny_llama_dir, tmp_path, engine):
-    """An n-gram engine's proposer keeps per-request state: the scheduler serves its queue one request at a
-    time through the speculative loop; each request gets plain greedy's tokens, and a full queue is busy."""
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_speculative_engine_serves_concurrent_requests_exactly(batched, tiny_llama_dir, tmp_path, engine):
+    """An n-gram engine batches its requests in speculative steps (or, unbatched, serves its queue one
+    request at a time through the speculative loop); each request gets plain greedy's tokens, and a full
+    queue is busy."""
     spec = Engine.from_dir(
         convert_and_build(tiny_llama_dir, tmp_path, speculative="ngram", ngram_k=4),
-        serving=SchedulerConfig(max_queue=3),
+        serving=SchedulerConfig(max_queue=3, batched=batched),
     )
-    assert not spec.batched
+    assert spec.batched == batched
     work = [(ids, SamplingParams(max_tokens=p.max_tokens, end_id=-1)) for ids, p in jobs(engine, 3)]
     together, widest = run_together(spec, work)
     assert together == [engine.generate(ids, params).token_ids for ids, params in work]
-    assert widest == 1
+    assert widest == (3 if batched else 1)
     ids = engine.tokenizer(PROMPTS[0]).input_ids
     running = spec.stream(ids, SamplingParams(max_tokens=300, end_id=-1))
     next(running)

@@ -22,12 +22,15 @@ from pipeline.engine.graphs import GraphedTarget
 from pipeline.engine.kernels.routing import TORCH_TOPK
 from pipeline.engine.medusa import MedusaProposer, medusa_heads
 from pipeline.engine.runner import Engine, SamplingParams
+from pipeline.engine.scheduler import SchedulerConfig
 from pipeline.engine.speculative import StepInput
 from pipeline.engine.tree import build_tree, parse_choices
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog and then", "hello hello hello"]
 MAX_TOKENS = (7, 13, 30)  # 7 and 13 end in the middle of a tree
 HIDDEN = 64
+# The tests of the one-request-at-a-time decode loop (oracle proposers swapped in, run-ahead groups).
+SERIAL = SchedulerConfig(batched=False)
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +206,8 @@ def test_a_new_proposer_gets_a_graph_step_of_its_own(tiny_llama_dir, plain, tmp_
             tiny_llama_dir,
             tmp_path,
             medusa=make_random_medusa(tmp_path / "m", HIDDEN, vocab_of(tiny_llama_dir), with_lm_head=False),
-        )
+        ),
+        serving=SERIAL,
     )
     engine.graphs = GraphedTarget(engine.target, engine.cache, engine.proposer.capture_layers, compile=False)
     free = greedy(plain, PROMPTS[0], 24).token_ids
@@ -216,7 +220,8 @@ def test_a_new_proposer_gets_a_graph_step_of_its_own(tiny_llama_dir, plain, tmp_
 @pytest.mark.parametrize("case", ["medusa-mc_sim_7b_63", "medusa-dynamic"])
 def test_medusa_oracle_accepts_full_depth(case, tiny_llama_dir, plain, tmp_path):
     engine = Engine.from_dir(
-        convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir)))
+        convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir))),
+        serving=SERIAL,
     )
     n, depth = 30, len(engine.proposer.heads)
     ref = reference(plain, PROMPTS[1], n + depth + 1)
@@ -230,7 +235,8 @@ def test_medusa_oracle_accepts_full_depth(case, tiny_llama_dir, plain, tmp_path)
 @pytest.mark.parametrize("case", ["eagle-static", "eagle-dynamic", "eagle3-dynamic"])
 def test_eagle_oracle_accepts_full_depth(case, tiny_llama_dir, plain, tmp_path):
     engine = Engine.from_dir(
-        convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir)))
+        convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir))),
+        serving=SERIAL,
     )
     proposer: EagleProposer = engine.proposer
     depth = proposer.tree.max_depth if proposer.tree is not None else proposer.dynamic.depth
@@ -339,7 +345,8 @@ def test_running_ahead_changes_only_how_tokens_are_grouped(case, tiny_llama_dir,
     4 give the tokens, stop reasons and step counts of one step at a time, with the random draft and
     with an oracle (several tokens a step), and a stop inside a group drops the steps after it."""
     engine = Engine.from_dir(
-        convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir)))
+        convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir))),
+        serving=SERIAL,
     )
     assert engine.proposer.runs_ahead
     n = 24
@@ -381,7 +388,8 @@ def test_groups_queued_behind_each_other_stay_inside_the_cache(tiny_llama_dir, p
             max_input_len=16,
             max_seq_len=96,
             **SPEC_CASES["eagle3-dynamic"](tmp_path, vocab_of(tiny_llama_dir)),
-        )
+        ),
+        serving=SERIAL,
     )
     ids = engine.tokenizer(PROMPTS[0]).input_ids
     n = engine.limits.max_seq_len - len(ids)
@@ -399,7 +407,8 @@ def test_queued_groups_end_near_the_request_end(tiny_llama_dir, plain, tmp_path)
     engine = Engine.from_dir(
         convert_and_build(
             tiny_llama_dir, tmp_path / "engine", **SPEC_CASES["eagle3-dynamic"](tmp_path, vocab_of(tiny_llama_dir))
-        )
+        ),
+        serving=SERIAL,
     )
     n = 120
     ref = reference(plain, PROMPTS[0], n)

@@ -1,9 +1,9 @@
 """Tensor parallel on the CPU: a TP-2 engine runs as two processes over gloo, each on its own shard.
 
 The TP-2 engine's greedy output is token-identical to the TP-1 engine's (float32), with several requests
-in flight at once, in-process and through `specpipe generate`; engines whose heads do not split, or that
-are speculative, are refused; a rank that dies or hangs ends the request with an error and leaves no
-process behind.
+in flight at once, in-process and through `specpipe generate`; engines whose heads do not split are
+refused; a speculative TP-2 engine runs its shards merged in one process; a rank that dies or hangs ends
+the request with an error and leaves no process behind.
 """
 
 from __future__ import annotations
@@ -126,11 +126,13 @@ def test_heads_that_do_not_split_are_refused(engines: dict[int, Path], tmp_path:
     assert parallel.live() is None
 
 
-def test_speculative_engine_is_refused_at_tp2(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    engine = convert_and_build(tiny_llama_dir, tmp_path, tp=2, speculative="ngram", ngram_k=4)
-    with pytest.raises(UserError, match="runs plain engines only, and this one is speculative"):
-        Engine.from_dir(engine)
-    assert parallel.live() is None
+def test_a_speculative_tp2_engine_runs_its_shards_merged_in_one_process(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    spec = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "spec", tp=2, speculative="ngram", ngram_k=4))
+    assert parallel.live() is None  # no ranks started
+    plain = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "plain"))
+    ids = plain.tokenizer("hello hello hello").input_ids
+    params = SamplingParams(max_tokens=12, end_id=-1)
+    assert spec.generate(ids, params).token_ids == plain.generate(ids, params).token_ids
 
 
 def interrupt_mid_request(engine: Engine, interrupt: signal.Signals) -> tuple[BaseException, float, list[int]]:

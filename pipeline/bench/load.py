@@ -32,6 +32,7 @@ import torch
 
 from pipeline.bench.prompts import load_prompts
 from pipeline.bench.speed import SEED, SHAPES, _IdsOnly, device_tag, environment, random_model, save_json
+from pipeline.engine.adaptive import TierController
 from pipeline.engine.config import EngineLimits, SpecConfig
 from pipeline.engine.model import Transformer
 from pipeline.engine.runner import Engine
@@ -56,6 +57,7 @@ class Timing:
     gaps_s: list[float]  # one entry per token after the first: its share of the gap it arrived in
     total_s: float
     tokens: int
+    steps: int = 0  # the engine's decode steps for the request (in-process only): tokens per step
 
 
 Client = Callable[[list[int], SamplingParams], Timing]
@@ -71,9 +73,11 @@ def percentile(values: list[float], q: float) -> float:
 def in_process_client(engine: Engine) -> Client:
     def run(ids: list[int], params: SamplingParams) -> Timing:
         start = last = time.perf_counter()
-        ttft, gaps, tokens = 0.0, [], 0
+        ttft, gaps, tokens, steps = 0.0, [], 0, 0
         for chunk in engine.stream(ids, params):
             now = time.perf_counter()
+            if chunk.result is not None:
+                steps = chunk.result.stats.steps
             if chunk.token_ids:
                 if tokens == 0:
                     ttft = now - start
@@ -82,7 +86,7 @@ def in_process_client(engine: Engine) -> Client:
                     gaps += [(now - last) / len(chunk.token_ids)] * len(chunk.token_ids)
                 tokens += len(chunk.token_ids)
                 last = now
-        return Timing(ttft, gaps, time.perf_counter() - start, tokens)
+        return Timing(ttft, gaps, time.perf_counter() - start, tokens, steps)
 
     return run
 
@@ -156,6 +160,9 @@ def run_level(
         "seconds": wall,
         "output_tokens_per_s": tokens / wall,
     }
+    steps = sum(t.steps for t in timings)
+    if steps:  # tokens a decode step emitted (1.0: plain; more: accepted drafts), the first token excluded
+        out["tokens_per_step"] = (tokens - len(timings)) / steps
     for q in PERCENTILES:
         out[f"ttft_ms_p{q}"] = percentile(ttft, q)
         out[f"itl_ms_p{q}"] = percentile(itl, q)
@@ -171,15 +178,25 @@ def sweep(
     params: SamplingParams,
     min_requests: int,
     label: str,
+    controller: TierController | None = None,
 ) -> list[dict[str, Any]]:
     client(prompts[0], SamplingParams(max_tokens=8, end_id=IGNORE_END))  # first-use costs out of the numbers
     rows = []
     for c in levels:
+        before = dict(controller.chosen) if controller is not None else {}
         row = run_level(client, prompts, c, params, min_requests)
+        if controller is not None:  # the tiers a speculative engine's controller chose at this level
+            row["tiers"] = {
+                controller.names[i]: n - before.get(i, 0)
+                for i, n in sorted(controller.chosen.items())
+                if n > before.get(i, 0)
+            }
         rows.append(row)
         print(
             f"{label:>24}  C={c:>3}  {row['output_tokens_per_s']:9.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:8.1f} "
             f"p99 {row['ttft_ms_p99']:8.1f} ms  ITL p50 {row['itl_ms_p50']:6.2f} p99 {row['itl_ms_p99']:6.2f} ms"
+            + (f"  tokens/step {row['tokens_per_step']:.2f}" if row.get("tokens_per_step") else "")
+            + (f"  tiers {row['tiers']}" if row.get("tiers") else "")
             + (f"  errors {len(row['errors'])}" if row["errors"] else ""),
             flush=True,
         )
@@ -275,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--engine {args.engine}: no config.json; build one with `make build-engines`")
     levels = args.concurrency or (CUDA_LEVELS if args.device.startswith("cuda") else CPU_LEVELS)
     engine, label, tokenizer = load_engine(args)
-    if tokenizer is None:
+    if tokenizer is None or args.prompt_ids is not None:
         if args.prompt_ids is None:
             raise SystemExit("--shape needs --prompt-ids FILE (written by --engine DIR --write-prompt-ids FILE)")
         prompts = json.loads(args.prompt_ids.read_text())[: args.num_prompts]
@@ -292,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     for temperature in args.temperatures:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, end_id=IGNORE_END)
         name = f"in-process T={temperature:g}"
-        results[name] = sweep(in_process_client(engine), prompts, levels, params, args.min_requests, name)
+        results[name] = sweep(
+            in_process_client(engine), prompts, levels, params, args.min_requests, name, engine.scheduler.controller
+        )
     if args.triton:
         results.update(run_triton(args, prompts, levels))
     floor = bytes_floor(engine, prompts, args) if args.shape and args.device.startswith("cuda") else None

@@ -21,6 +21,7 @@ from pipeline.engine.acceptance import Acceptance
 from pipeline.engine.config import DynamicTreeConfig
 from pipeline.engine.graphs import CapturedStep, Compiled, prefill_bucket
 from pipeline.engine.kernels.routing import Drafter
+from pipeline.engine.kv_cache import BlockPool, PagedView
 from pipeline.engine.model import (
     MLP,
     Attention,
@@ -33,7 +34,9 @@ from pipeline.engine.model import (
     Rotary,
     full_slot_context,
     make_context,
+    paged_context,
 )
+from pipeline.engine.spec_step import Chunk, Drafting, Tier, Verified
 from pipeline.engine.speculative import StepInput, TargetPass
 from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree
 
@@ -342,3 +345,126 @@ class EagleProposer:
 
     def _topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.net.drafter.topk(x, k)
+
+
+class EagleRows:
+    """EAGLE in batched form (spec_step.BatchProposer). The draft's KV lives in a block pool of its own
+    that the requests' block tables index like the target's (sequence index = pair position). A request's
+    state row holds the pairs it has not cached yet (the last step's accepted path: tokens and the
+    target's features); every step, the plain tier included, first catches up on them, so the draft never
+    falls behind the text whatever tiers run. Tree node i (i >= 1) drafts at sequence index length + i - 1."""
+
+    host_drafts = 0
+
+    def __init__(self, net: EagleNet | Eagle3Net, tiers: list[Tier], state_rows: int, pool: BlockPool):
+        self.net, self.tiers, self.pool = net, tiers, pool
+        self.capture_layers: tuple[int, ...] = getattr(net, "capture_layers", ())
+        self.top_k = max(int(t.tree.ranks.max()) + 1 for t in tiers)
+        run = max(t.depth for t in tiers) + 1  # pairs a step may have to catch up on
+        cfg, weight = net.cfg, net.lm_head.weight
+        width = cfg.hidden_size * max(1, len(self.capture_layers))
+        self.pending_tokens = torch.zeros(state_rows, run, dtype=torch.long, device=weight.device)
+        self.pending_features = weight.new_zeros(state_rows, run, width)
+        self.num_pending = torch.zeros(state_rows, dtype=torch.long, device=weight.device)
+        self.last_feature = weight.new_zeros(state_rows, width)  # the feature before a chunk's first pair
+        self.run_ids = torch.arange(run, device=weight.device)
+
+    def host_draft(self, history: list[int]) -> list[int]:
+        return []
+
+    def features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(captured, dim=-1) if self.capture_layers else hidden
+
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        table: torch.Tensor,
+        attn_len: int,
+        prefix: torch.Tensor | None = None,
+        region: torch.Tensor | None = None,
+        count: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        view = PagedView(self.pool, positions, slots, table, positions[:, -1] + 1, attn_len, prefix, region, count)
+        return self.net(tokens, features, paged_context(view, self.net.rotary))
+
+    def prefill(self, chunk: Chunk) -> None:
+        """The chunk's pairs: pair j sits at position p_j - 1 with (token j, the feature before it); the
+        first chunk's pair 0 has no position and writes the scratch block."""
+        feats = self.features(chunk.hidden, chunk.captured)  # [n, F]
+        before = torch.cat([self.last_feature[chunk.state], feats[:-1]])
+        positions = chunk.positions - 1
+        ids = torch.arange(positions.shape[0], device=positions.device)
+        real = (positions >= 0) & (ids <= chunk.last)
+        slots = torch.where(real, self.pool.slots(chunk.table, positions.clamp(min=0)[None])[0], 0)
+        self._forward(
+            chunk.tokens[None], before[None], positions.clamp(min=0)[None], slots[None], chunk.table, chunk.attn_len
+        )
+        last_feature = feats.index_select(0, chunk.last)  # [1, F]
+        self.last_feature.index_copy_(0, chunk.state, last_feature)
+        if chunk.first is not None:  # the prompt's last pair waits for the first step's catch-up
+            self.pending_tokens[chunk.state, 0] = chunk.first
+            self.pending_features[chunk.state, 0] = last_feature
+            self.num_pending.index_fill_(0, chunk.state, 1)
+
+    def draft(self, rows: Drafting, tier: Tier) -> torch.Tensor:
+        b, run = rows.roots.shape[0], self.run_ids.shape[0]
+        pending = self.num_pending[rows.state]
+        start = (rows.lengths - pending).clamp(min=0)  # pairs cached before the pending ones (padding rows: 0)
+        positions = start[:, None] + self.run_ids[None, :]
+        attn_len = rows.table.shape[1] * self.pool.block_size
+        hidden = self._forward(
+            self.pending_tokens[rows.state],
+            self.pending_features[rows.state],
+            positions,
+            self.pool.slots(rows.table, positions),
+            rows.table,
+            attn_len,
+            start[:, None].expand(b, run),
+            positions[:, None, :].expand(b, run, run),
+            self.run_ids[None, :].expand(b, run) + 1,
+        )
+        if tier.depth == 0:  # a plain step: caught up, nothing to draft
+            return rows.roots[:, None]
+        root_hidden = hidden.gather(1, (pending - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+        t, k = tier.num_nodes, self.top_k
+        tokens = rows.roots.new_zeros(b, t)
+        tokens[:, 0] = rows.roots
+        node_hidden = root_hidden.new_zeros(b, t, root_hidden.shape[-1])
+        node_hidden[:, 0] = root_hidden
+        top = tokens.new_zeros(b, t, k)
+        top[:, 0] = self.net.top_logp(root_hidden, k)[1]
+        lengths = rows.lengths[:, None]
+        for depth, nodes in enumerate(tier.levels, start=1):
+            parents = tier.tree.parents[nodes]
+            ranks = tier.tree.ranks[nodes]
+            tokens[:, nodes] = top[:, parents].gather(2, ranks[None, :, None].expand(b, -1, 1))[..., 0]
+            if depth == tier.depth:
+                break
+            n = nodes.shape[0]
+            seq = lengths + nodes[None, :] - 1
+            ancestors = lengths[:, :, None] + tier.paths[nodes][None, :, 1 : depth + 1] - 1  # [B, n, depth]
+            out = self._forward(
+                tokens[:, nodes],
+                node_hidden[:, parents],
+                (lengths + depth - 1).expand(b, n),
+                self.pool.slots(rows.table, seq),
+                rows.table,
+                attn_len,
+                lengths.expand(b, n),
+                ancestors,
+                torch.full((b, n), depth, dtype=torch.long, device=tokens.device),
+            )
+            node_hidden[:, nodes] = out
+            top[:, nodes] = self.net.top_logp(out.reshape(b * n, -1), k)[1].view(b, n, k)
+        return tokens
+
+    def accepted(self, rows: Drafting, tier: Tier, result: Verified) -> None:
+        feats = self.features(result.hidden, result.captured)  # [B, T, F]
+        taken = result.path.shape[1]
+        path_feats = feats.gather(1, result.path[:, :, None].expand(-1, -1, feats.shape[-1]))
+        self.pending_tokens[rows.state, :taken] = result.tokens
+        self.pending_features[rows.state, :taken] = path_feats
+        self.num_pending[rows.state] = result.num_accepted + 1

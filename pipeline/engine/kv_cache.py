@@ -104,6 +104,13 @@ class BlockPool:
         self.k.index_put_((layers.reshape(-1), slots.reshape(-1)), k.reshape(-1, *k.shape[-2:]))
         self.v.index_put_((layers.reshape(-1), slots.reshape(-1)), v.reshape(-1, *v.shape[-2:]))
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slots src -> dst (any shape, matching) in every layer: compacts accepted tree paths.
+        The reads complete before the writes, so overlapping moves along a path are safe."""
+        src, dst = src.reshape(-1), dst.reshape(-1)
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
     def gather(self, layer: int, table: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first num_slots tokens of each row's sequence: table [B, blocks] -> k, v [B, num_slots, kv_heads, D]."""
         positions = torch.arange(num_slots, device=table.device).expand(table.shape[0], num_slots)
@@ -127,3 +134,9 @@ class PagedView:
     table: torch.Tensor
     lengths: torch.Tensor
     attn_len: int
+    # Tree and decode steps: token t of row b reads sequence indices below prefix[b, t], then
+    # region[b, t, :count[b, t]] (its path through the tree, itself last; paged_attention). None: a
+    # causal run (a prefill chunk) reading indices <= its position.
+    prefix: torch.Tensor | None = None
+    region: torch.Tensor | None = None
+    count: torch.Tensor | None = None

@@ -11,16 +11,18 @@ from torch import nn
 
 from pipeline.engine.config import EngineDir, SpecConfig
 from pipeline.engine.draft_model import DraftModelProposer
-from pipeline.engine.eagle import Eagle3Net, EagleNet, EagleProposer
-from pipeline.engine.medusa import MedusaHead, MedusaProposer, medusa_heads
+from pipeline.engine.eagle import Eagle3Net, EagleNet, EagleProposer, EagleRows
+from pipeline.engine.kv_cache import BlockPool
+from pipeline.engine.medusa import MedusaHead, MedusaProposer, MedusaRows, medusa_heads
 from pipeline.engine.model import ModelConfig, Transformer
-from pipeline.engine.ngram import NgramProposer
+from pipeline.engine.ngram import NgramProposer, NgramRows
 from pipeline.engine.parallel import ParallelConfig
-from pipeline.engine.runner import Engine, prepare_kernels
+from pipeline.engine.runner import Engine, RowsFactory, prepare_kernels
 from pipeline.engine.scheduler import SchedulerConfig
+from pipeline.engine.spec_step import BatchProposer, tier_ladder
 from pipeline.engine.speculative import Proposer
-from pipeline.engine.tp_loader import load_tensor_parallel, tp_size
-from pipeline.engine.tree import build_tree
+from pipeline.engine.tp_loader import load_tensor_parallel, runs_as_ranks
+from pipeline.engine.tree import MC_SIM_7B_63, build_tree
 from pipeline.engine.weights import engine_state_dict, load_into
 from pipeline.errors import UserError, read_json
 
@@ -57,7 +59,7 @@ def load_engine(
             f"{engine.path}: a {engine.backend!r} engine runs in TensorRT-LLM, not the portable engine; "
             "build with --backend portable"
         )
-    if tp_size(engine) > 1:  # one process a rank, each loading its own shard
+    if runs_as_ranks(engine, serving):  # one process a rank, each loading its own shard
         dtype = dtype or DTYPES[engine.pretrained_config.get("dtype", "float32")]
         return load_tensor_parallel(engine, device, dtype, max_positions(engine), serving, parallel or ParallelConfig())
     config, tensors = read_checkpoint(engine.path)
@@ -66,7 +68,8 @@ def load_engine(
     limits = engine.limits
     proposer = make_proposer(engine, config, tensors, target, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(engine.tokenizer_dir)
-    runtime = Engine(target, tokenizer, limits, engine.spec, proposer, serving)
+    rows = batched_proposer(engine.spec, proposer, device, dtype)
+    runtime = Engine(target, tokenizer, limits, engine.spec, proposer, serving, rows)
     runtime.warm_up()
     return runtime
 
@@ -130,6 +133,42 @@ def make_proposer(
         draft = build_transformer(draft_config, draft_tensors, str(engine.draft_dir), max_positions(engine))
         return DraftModelProposer(_ready(draft, device, dtype), spec.max_draft_len, slots)
     raise UserError(f"{engine.path}: speculative mode {spec.mode!r} has no portable runtime")
+
+
+def batched_proposer(
+    spec: SpecConfig, proposer: Proposer | None, device: torch.device, dtype: torch.dtype
+) -> RowsFactory | None:
+    """The batched form of a speculative engine's proposer (None: it has none, or the engine is plain).
+    Its tiers: chains up to the proposer's depth, then trees of the engine's choices (a dynamic tree's
+    engine: the default tree's) as deep as that."""
+    choices = spec.choices or MC_SIM_7B_63
+    if spec.acceptance == "typical":  # Medusa's typical acceptance (not lossless) runs in the serial loop only
+        return None
+    if isinstance(proposer, EagleProposer):
+        net, depth = proposer.net, proposer.depth
+
+        def eagle_rows(blocks: int, block_size: int, states: int, max_nodes: int) -> BatchProposer:
+            cfg = net.cfg
+            pool = BlockPool(net.num_cache_layers, blocks, block_size, cfg.num_kv_heads, cfg.head_size, dtype, device)
+            return EagleRows(net, tier_ladder(choices, max_nodes, depth, device), states, pool)
+
+        return eagle_rows
+    if isinstance(proposer, MedusaProposer):
+        medusa = proposer
+
+        def medusa_rows(blocks: int, block_size: int, states: int, max_nodes: int) -> BatchProposer:
+            tiers = tier_ladder(choices, max_nodes, len(medusa.heads), device)
+            return MedusaRows(medusa.heads, medusa.lm_head, tiers, states)
+
+        return medusa_rows
+    if isinstance(proposer, NgramProposer):
+        cfg = proposer.cfg
+
+        def ngram_rows(blocks: int, block_size: int, states: int, max_nodes: int) -> BatchProposer:
+            return NgramRows(cfg, tier_ladder([], max_nodes, cfg.k, device))
+
+        return ngram_rows
+    return None
 
 
 def max_positions(engine: EngineDir) -> int:

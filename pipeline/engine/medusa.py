@@ -19,6 +19,7 @@ from pipeline.engine.acceptance import Acceptance
 from pipeline.engine.config import DynamicTreeConfig
 from pipeline.engine.kernels.routing import drafter_kernels
 from pipeline.engine.model import SUPPORTED_ACTIVATIONS, Linear
+from pipeline.engine.spec_step import Chunk, Drafting, Tier, Verified
 from pipeline.engine.speculative import StepInput, TargetPass
 from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree
 
@@ -186,3 +187,51 @@ class MedusaProposer:
         length: int | torch.Tensor,
     ) -> None:
         torch.index_select(target.hidden, 0, acc.last_node, out=self.hidden)
+
+
+class MedusaRows:
+    """Medusa in batched form (spec_step.BatchProposer): each request's state is the target's hidden state
+    at its last accepted token, one row of `hidden`; a step's heads run over every row at once."""
+
+    capture_layers: tuple[int, ...] = ()
+    host_drafts = 0
+
+    def __init__(self, heads: nn.ModuleList, lm_head: Linear | None, tiers: list[Tier], state_rows: int):
+        self.tiers = tiers
+        depth = max(t.depth for t in tiers)
+        self.heads = heads[:depth]
+        self.lm_head = lm_head
+        self.top_k = max(int(t.tree.ranks.max()) + 1 for t in tiers)
+        first = cast(MedusaHead, heads[0])
+        weight = (lm_head or first.lm_head or lm_head_missing()).weight
+        self.hidden = weight.new_zeros(state_rows, weight.shape[1])
+
+    def host_draft(self, history: list[int]) -> list[int]:
+        return []
+
+    def prefill(self, chunk: Chunk) -> None:
+        if chunk.first is not None:
+            self.hidden.index_copy_(0, chunk.state, chunk.hidden.index_select(0, chunk.last))
+
+    def draft(self, rows: Drafting, tier: Tier) -> torch.Tensor:
+        if tier.depth == 0:
+            return rows.roots[:, None]
+        hidden = self.hidden[rows.state]  # [B, H]
+        heads = [cast(MedusaHead, h) for h in self.heads[: tier.depth]]
+        if self.lm_head is not None:
+            logits = self.lm_head(torch.stack([h.features(hidden) for h in heads], dim=1))
+        else:
+            logits = torch.stack([h(hidden) for h in heads], dim=1)  # [B, depth, V]
+        guesses = logits.topk(self.top_k, dim=-1).indices  # [B, depth, k]
+        node_head = (tier.tree.depths - 1).clamp(min=0)
+        tokens = guesses[:, node_head, tier.tree.ranks]  # [B, T]
+        return torch.cat([rows.roots[:, None], tokens[:, 1:]], dim=1)
+
+    def accepted(self, rows: Drafting, tier: Tier, result: Verified) -> None:
+        last = result.path.gather(1, result.num_accepted[:, None])  # [B, 1] the deepest accepted node
+        hidden = result.hidden.gather(1, last[:, :, None].expand(-1, -1, result.hidden.shape[-1]))[:, 0]
+        self.hidden.index_copy_(0, rows.state, hidden)
+
+
+def lm_head_missing() -> Linear:
+    raise AssertionError("Medusa heads without their LM heads need the shared one")

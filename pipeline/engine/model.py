@@ -253,16 +253,16 @@ class Attention(nn.Module):
         return self.dense(out.transpose(1, 2).reshape(b, t, -1))
 
     def paged_attention(self, q: torch.Tensor, paged: PagedView, mask: torch.Tensor | None, layer: int) -> torch.Tensor:
-        """q [B, T, H, D] over each row's cached sequence in the block pool -> [B, T, H, D]. One token a row
-        on CUDA goes through the paged kernel; otherwise each row's sequence is gathered for SDPA."""
+        """q [B, T, H, D] over each row's cached sequence in the block pool -> [B, T, H, D]. Decode and tree
+        steps on CUDA go through the paged kernel; otherwise each row's sequence is gathered for SDPA."""
         pool = paged.pool
-        if q.is_cuda and q.shape[1] == 1 and self.head_size & (self.head_size - 1) == 0:
-            from pipeline.engine.paged_attention import paged_decode_attention
+        if q.is_cuda and paged.region is not None and self.head_size & (self.head_size - 1) == 0:
+            from pipeline.engine.paged_attention import paged_attention
 
-            out = paged_decode_attention(
-                q[:, 0], pool.k[layer], pool.v[layer], paged.table, paged.lengths, pool.block_size
+            assert paged.prefix is not None and paged.count is not None
+            return paged_attention(
+                q, pool.k[layer], pool.v[layer], paged.table, paged.prefix, paged.region, paged.count, pool.block_size
             )
-            return out[:, None]
         keys, values = pool.gather(layer, paged.table, paged.attn_len)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
@@ -423,9 +423,17 @@ def decode_context(cache: KVCache, rotary: Rotary, lengths: torch.Tensor, attn_l
 
 
 def paged_context(view: PagedView, rotary: Rotary) -> ForwardContext:
-    """Context for a batched step over the block pool: token t of row b (at view.positions[b, t]) reads
-    its row's sequence up to and including its own position."""
-    visible = torch.arange(view.attn_len, device=view.positions.device) <= view.positions[:, :, None]
+    """Context for a batched step over the block pool. Token t of row b (at view.positions[b, t]) reads its
+    row's sequence below view.prefix[b, t] and then its region (decode and tree steps), or, without a
+    region (a prefill chunk), every index up to and including its own position."""
+    ids = torch.arange(view.attn_len, device=view.positions.device)
+    if view.region is None:
+        visible = ids <= view.positions[:, :, None]
+    else:
+        assert view.prefix is not None and view.count is not None
+        used = torch.arange(view.region.shape[-1], device=ids.device) < view.count[..., None]
+        in_region = ((ids == view.region[..., None]) & used[..., None]).any(-2)
+        visible = (ids < view.prefix[..., None]) | in_region
     return ForwardContext(
         view.positions, view.slots, view.pool, view.attn_len, visible[:, None], False, rotary, paged=view
     )

@@ -11,6 +11,7 @@ import torch
 
 from pipeline.engine.acceptance import Acceptance
 from pipeline.engine.config import NgramConfig
+from pipeline.engine.spec_step import DRAFT_TOKENS, Chunk, Drafting, Tier, Verified
 from pipeline.engine.speculative import StepInput, TargetPass
 from pipeline.engine.tree import DraftTree, chain_buffers
 
@@ -53,4 +54,27 @@ class NgramProposer:
         target: TargetPass,
         length: int | torch.Tensor,
     ) -> None:
+        pass
+
+
+class NgramRows:
+    """Prompt lookup in batched form (spec_step.BatchProposer): the host looks each row's chain up in its
+    text and sends it with the step; chains shorter than the tier leave the rest of its nodes invalid."""
+
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, cfg: NgramConfig, tiers: list[Tier]):
+        self.cfg, self.tiers = cfg, tiers
+        self.host_drafts = cfg.k
+
+    def host_draft(self, history: list[int]) -> list[int]:
+        return lookup(history, self.cfg)
+
+    def prefill(self, chunk: Chunk) -> None:
+        pass
+
+    def draft(self, rows: Drafting, tier: Tier) -> torch.Tensor:
+        return torch.cat([rows.roots[:, None], rows.drafts[:, DRAFT_TOKENS : DRAFT_TOKENS + tier.depth]], dim=1)
+
+    def accepted(self, rows: Drafting, tier: Tier, result: Verified) -> None:
         pass

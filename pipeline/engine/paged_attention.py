@@ -1,10 +1,14 @@
-"""Decode attention over the paged KV cache: one new token per row, rows of different lengths, one launch.
+"""Attention over the paged KV cache: many query tokens, rows of different lengths, one launch.
 
-Program (row, kv head, split) walks the row's block table, taking every `splits`-th block below the
-row's length, and keeps an online softmax for the kv head's query group; a few torch ops merge the
-splits. The split count depends only on the table's width, never on the batch: a row's sums run in
-the same order alone or among 64 rows (bitwise the same output). Splits give a short batch enough
-programs to fill the GPU. Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (the tests).
+Each query reads a *virtual sequence*: the first `prefix` tokens of its row's sequence, then `count`
+more tokens taken from anywhere in the row (`region`, sequence indices). A decode token's region is
+itself; a tree node's region is its path from the root (the ancestors' slots past the prefix), so a
+node reads exactly what the same token would read once the accepted path is compacted, in the same
+order. Program (query, kv head, split) walks the virtual sequence in blocks, taking every `splits`-th
+one, with an online softmax for the kv head's query group; a few torch ops merge the splits. The split
+count depends only on the table's width, never on the batch or the tree: a query's sums run in the same
+order alone, in a batch of 64, or as a tree node (bitwise the same output). Runs on CUDA, and on CPU
+tensors under TRITON_INTERPRET=1 (the tests).
 """
 
 from __future__ import annotations
@@ -13,22 +17,26 @@ import torch
 import triton
 import triton.language as tl
 
-# Splits per (row, kv head): enough programs for one row of a few kv heads to spread over the GPU.
+# Splits per (query, kv head): enough programs for one row of a few kv heads to spread over the GPU.
 MAX_SPLITS = 16
 
 
 @triton.jit
-def _paged_decode_kernel(
+def _paged_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
     table_ptr,
-    len_ptr,
+    prefix_ptr,
+    region_ptr,
+    count_ptr,
     m_ptr,
     l_ptr,
     o_ptr,
     scale,
     table_stride,
+    queries_per_row,
+    region_width,
     splits,
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
@@ -36,22 +44,28 @@ def _paged_decode_kernel(
     HEAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    query, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = query // queries_per_row
     members = tl.arange(0, GROUP)
     live_members = members < HEADS // KV_HEADS
     heads = kv_head * (HEADS // KV_HEADS) + members
     dims = tl.arange(0, HEAD)
-    q = tl.load(q_ptr + (row * HEADS + heads[:, None]) * HEAD + dims[None, :], mask=live_members[:, None], other=0.0)
+    q = tl.load(q_ptr + (query * HEADS + heads[:, None]) * HEAD + dims[None, :], mask=live_members[:, None], other=0.0)
     q = q.to(tl.float32) * scale
-    length = tl.load(len_ptr + row)
+    prefix = tl.load(prefix_ptr + query)
+    length = prefix + tl.load(count_ptr + query)
     offsets = tl.arange(0, BLOCK)
     m = tl.full((GROUP,), float("-inf"), tl.float32)
     total = tl.zeros((GROUP,), tl.float32)
     acc = tl.zeros((GROUP, HEAD), tl.float32)
     for b in range(split, tl.cdiv(length, BLOCK), splits):
-        block = tl.load(table_ptr + row * table_stride + b).to(tl.int64)
-        slots = block * BLOCK + offsets
-        live = b * BLOCK + offsets < length
+        virtual = b * BLOCK + offsets
+        live = virtual < length
+        past = live & (virtual >= prefix)
+        moved = tl.load(region_ptr + query * region_width + (virtual - prefix), mask=past, other=0)
+        position = tl.where(past, moved, virtual)
+        block = tl.load(table_ptr + row * table_stride + position // BLOCK, mask=live, other=0).to(tl.int64)
+        slots = block * BLOCK + position % BLOCK
         where = (slots[:, None] * KV_HEADS + kv_head) * HEAD + dims[None, :]
         k = tl.load(k_ptr + where, mask=live[:, None], other=0.0).to(tl.float32)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
@@ -63,7 +77,7 @@ def _paged_decode_kernel(
         total = total * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    out = (row * HEADS + heads) * splits + split
+    out = (query * HEADS + heads) * splits + split
     tl.store(m_ptr + out, m, mask=live_members)
     tl.store(l_ptr + out, total, mask=live_members)
     tl.store(o_ptr + out[:, None] * HEAD + dims[None, :], acc, mask=live_members[:, None])
@@ -73,30 +87,42 @@ def num_splits(max_blocks: int) -> int:
     return max(1, min(MAX_SPLITS, max_blocks))
 
 
-@torch.library.custom_op("specpipe::paged_decode_attention", mutates_args=())
-def paged_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, block_size: int
+@torch.library.custom_op("specpipe::paged_attention", mutates_args=())
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    prefix: torch.Tensor,
+    region: torch.Tensor,
+    count: torch.Tensor,
+    block_size: int,
 ) -> torch.Tensor:
-    """q [B, H, D] (one token a row) over the pool's k, v [slots, Hkv, D] through block tables
-    table [B, blocks] -> softmax(q k^T / sqrt(D)) v [B, H, D] in q's dtype; row b reads its first
-    lengths[b] tokens (its own new token included: written before the call)."""
-    rows, heads, head = q.shape
+    """q [B, T, H, D] (T queries a row) over the pool's k, v [slots, Hkv, D] through block tables
+    table [B, blocks] -> softmax(q k^T / sqrt(D)) v [B, T, H, D] in q's dtype. Query (b, t) reads its
+    row's sequence indices 0 .. prefix[b, t] - 1, then region[b, t, :count[b, t]] (written before the call)."""
+    rows, per_row, heads, head = q.shape
     kv_heads = k.shape[1]
+    queries = rows * per_row
     splits = num_splits(table.shape[1])
-    m = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
+    m = torch.empty(queries, heads, splits, dtype=torch.float32, device=q.device)
     sums = torch.empty_like(m)
-    o = torch.empty(rows, heads, splits, head, dtype=torch.float32, device=q.device)
-    _paged_decode_kernel[(rows, kv_heads, splits)](
+    o = torch.empty(queries, heads, splits, head, dtype=torch.float32, device=q.device)
+    _paged_kernel[(queries, kv_heads, splits)](
         q.contiguous(),
         k,
         v,
         table,
-        lengths,
+        prefix.contiguous(),
+        region.contiguous(),
+        count.contiguous(),
         m,
         sums,
         o,
         head**-0.5,
         table.stride(0),
+        per_row,
+        region.shape[-1],
         splits,
         HEADS=heads,
         KV_HEADS=kv_heads,
@@ -108,11 +134,27 @@ def paged_decode_attention(
     best = m.max(-1, keepdim=True).values
     weight = torch.exp(m - best)
     total = (sums * weight).sum(-1)
-    return ((o * weight[..., None]).sum(-2) / total[..., None]).to(q.dtype)
+    return ((o * weight[..., None]).sum(-2) / total[..., None]).to(q.dtype).view(q.shape)
 
 
-@paged_decode_attention.register_fake
+@paged_attention.register_fake
 def _(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, block_size: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    prefix: torch.Tensor,
+    region: torch.Tensor,
+    count: torch.Tensor,
+    block_size: int,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """One token a row: q [B, H, D]; row b reads its first lengths[b] tokens (its new one last)."""
+    last = (lengths - 1)[:, None]
+    out = paged_attention(q[:, None], k, v, table, last, last[:, :, None], torch.ones_like(last), block_size)
+    return out[:, 0]

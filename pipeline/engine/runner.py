@@ -1,7 +1,9 @@
 """The portable engine: load an engine directory, then serve requests through the scheduler.
 
-Plain engines batch every request in flight over the paged KV cache (scheduler.py -> step.py -> model).
-Speculative engines serve one request at a time through this module's decode loop:
+Plain engines batch every request in flight over the paged KV cache (scheduler.py -> step.py -> model);
+speculative engines whose proposer has a batched form (EAGLE, EAGLE-3, Medusa, n-gram) do too, in
+speculative steps of adaptive tiers (spec_step.py, adaptive.py). The draft model, and any engine built
+with `SchedulerConfig(batched=False)`, serve one request at a time through this module's decode loop:
 validate -> prefill (target over the prompt, first token) -> loop:
   propose (tree) -> verify (one target pass over the tree) -> accept (path + bonus token)
   -> compact the accepted path's KV -> one host copy of the new tokens -> stop checks -> stream.
@@ -33,6 +35,7 @@ from pipeline.engine.readback import Pending, Readback
 from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
 from pipeline.engine.sampling import RequestError, SamplingParams, argmax_rows, choose
 from pipeline.engine.scheduler import Scheduler, SchedulerConfig
+from pipeline.engine.spec_step import BatchProposer, SpecStep
 from pipeline.engine.speculative import BufferDrafter, PlainProposer, Proposer, StepInput, TargetPass
 from pipeline.engine.stats import SpecStats
 from pipeline.engine.step import BatchStep
@@ -51,6 +54,10 @@ RUN_AHEAD_STEPS = 8  # a few steps: the first step of each graph size compiles a
 # (the device idles until the host queues more). Medusa: 5.5 past the end against 0.0 (0.9 such reads).
 QUEUE_SHARE = 0.5
 
+# A speculative proposer's batched form, made once the pool's size is known:
+# (pool blocks, block size, proposer-state rows, max tree nodes) -> BatchProposer.
+RowsFactory = Callable[[int, int, int, int], BatchProposer]
+
 __all__ = ["Engine", "GenerationResult", "RequestError", "SamplingParams", "StreamChunk", "SpecStats"]
 
 
@@ -61,13 +68,14 @@ def warm_up_prompt_lengths(limits: EngineLimits, max_prefill_tokens: int = MAX_P
     return [min(bucket, longest) for bucket in prefill_buckets(top)]
 
 
-def prepare_kernels(module: torch.nn.Module) -> None:
+def prepare_kernels(module: torch.nn.Module, invariant: bool = False) -> None:
     """Route a loaded network's products and attention to this device's kernels: oneDNN with
-    prepacked weights on the CPU, our Triton kernels on CUDA (targets and drafts alike)."""
+    prepacked weights on the CPU, our Triton kernels on CUDA (targets and drafts alike); `invariant`:
+    the batch-invariant ones (CUDA)."""
     if next(module.parameters()).device.type == "cpu":
         onednn.pack(module)
     else:
-        attach(module)
+        attach(module, invariant=invariant)
 
 
 @dataclass
@@ -94,6 +102,7 @@ class Engine:
         spec: SpecConfig,
         proposer: Proposer | None = None,
         serving: SchedulerConfig | None = None,
+        rows: RowsFactory | None = None,
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -102,16 +111,22 @@ class Engine:
         self.device = target.lm_head.weight.device
         self.proposer: Proposer = proposer or PlainProposer(self.device)
         serving = serving or SchedulerConfig()
-        # A plain engine batches every request in flight over the block pool (scheduler.py, step.py); a
-        # speculative engine's proposer holds per-request state, so it serves one request at a time on a
-        # cache of one sequence, through _decode. `serving.batched` False puts a plain engine on that
-        # path too (the kernel benchmarks measure a single stream there).
-        self.batched = isinstance(self.proposer, PlainProposer) and serving.batched
+        # Plain engines, and speculative ones with a batched proposer (`rows`), batch every request in
+        # flight over the block pool; others serve one request at a time on a cache of one sequence,
+        # through _decode. `serving.batched` False puts any engine on that path (the single-stream
+        # benchmarks measure it there).
+        plain = isinstance(self.proposer, PlainProposer)
+        self.batched = serving.batched and (plain or rows is not None)
         self.cache = target.new_cache(limits.max_seq_len + self.proposer.max_nodes)
         # CUDA graphs for decode and verification steps; the CPU path stays eager. Set to None to
         # run a CUDA engine eagerly (the benchmark does, to show what the graphs buy).
         self.graphs: GraphedTarget | None = None
-        prepare_kernels(target)  # before capture: the graphs record whichever kernels the layers call
+        # Before capture: the graphs record whichever kernels the layers call.
+        prepare_kernels(target, serving.invariant)
+        if serving.invariant:  # fused elementwise chains round to the dtype between ops, as unfused ones do
+            import torch._inductor.config as inductor_config
+
+            inductor_config.emulate_precision_casts = True
         if self.device.type == "cuda" and not self.batched:
             self.graphs = GraphedTarget(target, self.cache, self.proposer.capture_layers)
         self.run_ahead = RUN_AHEAD_STEPS if self.device.type == "cuda" else 1
@@ -130,7 +145,10 @@ class Engine:
             bytes_per_token = (
                 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * target.lm_head.weight.element_size()
             )
-            blocks = serving.cache.num_blocks(bytes_per_token, self.device, self.max_batch_size, limits.max_seq_len)
+            headroom = 0 if plain else limits.max_draft_len + 1  # a tree past the text
+            blocks = serving.cache.num_blocks(
+                bytes_per_token, self.device, self.max_batch_size, limits.max_seq_len + headroom
+            )
             self.pool = BlockPool(
                 cfg.num_layers,
                 blocks,
@@ -140,7 +158,12 @@ class Engine:
                 target.lm_head.weight.dtype,
                 self.device,
             )
-            step = BatchStep(target, self.pool, self.max_batch_size, limits.max_seq_len)
+            if plain:
+                step = BatchStep(target, self.pool, self.max_batch_size, limits.max_seq_len)
+            else:
+                assert rows is not None
+                batch_proposer = rows(blocks, serving.cache.block_size, self.max_batch_size + 1, headroom)
+                step = SpecStep(target, self.pool, batch_proposer, self.max_batch_size, limits.max_seq_len)
         self.scheduler = Scheduler(
             serving, self.max_batch_size, step, self.result, self.stop_checker, None if self.batched else self._serial
         )
@@ -176,6 +199,9 @@ class Engine:
         request (on CUDA that takes seconds to a minute; torch.compile's disk cache shortens later starts),
         with one request a prompt bucket so that every prefill graph exists too."""
         if self.device.type != "cuda":
+            return
+        if isinstance(self.scheduler.step, SpecStep):  # every (bucket, tier)'s greedy graph, and its cost
+            self.scheduler.calibrate()
             return
         if self.batched:  # every batch bucket's decode graph, greedy and sampled (by default)
             for rows in self.scheduler.batch.buckets:

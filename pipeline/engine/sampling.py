@@ -45,6 +45,7 @@ class SamplingParams:
     seed: int | None = None
     end_id: int | None = None  # None: the tokenizer's eos; -1: never stop on an end id
     stop_words: tuple[str, ...] = ()
+    speculative: bool = True  # False: a speculative engine serves this request with plain steps
 
     @property
     def greedy(self) -> bool:

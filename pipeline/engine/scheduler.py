@@ -8,15 +8,19 @@ stalls the running streams by one chunk) and then one decode step for every runn
 new tokens reach the host in one copy. A consumer that stops reading (closes the stream) cancels its
 request at the next iteration.
 
-A speculative engine's proposer keeps per-request state, so there the scheduler serves the queue one
-request at a time through the engine's own decode loop (`serial`).
+A speculative engine with a batched proposer runs a SpecStep instead: every running request drafts, is
+verified and accepts in one step of the tier the controller chooses (adaptive.py), read at once (each
+row's accepted count sets where its next step starts). Other speculative engines (the draft model) serve
+the queue one request at a time through the engine's own decode loop (`serial`).
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -25,12 +29,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.engine.adaptive import AdaptiveConfig, TierController
 from pipeline.engine.kv_cache import CacheBudget
 from pipeline.engine.readback import Pending
 from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
 from pipeline.engine.sampling import SEED_LIMIT, EngineBusy, SamplingParams
+from pipeline.engine.spec_step import DRAFT_COUNT, DRAFT_TOKENS, SpecStep
 from pipeline.engine.stats import SpecStats
-from pipeline.engine.step import CARRY, POSITION, SEED, TABLE, TEMPERATURE, TOKEN, TOP_K, TOP_P, BatchStep
+from pipeline.engine.step import CARRY, POSITION, SEED, STATE, TABLE, TEMPERATURE, TOKEN, TOP_K, TOP_P, BatchStep
 from pipeline.errors import UserError
 
 DEFAULT_MAX_QUEUE = 256
@@ -46,7 +52,9 @@ class SchedulerConfig:
     max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting for admission before new ones are refused
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens an iteration prefills at most
     cache: CacheBudget = field(default_factory=CacheBudget)
-    batched: bool = True  # False: a plain engine serves one request at a time, like a speculative one
+    batched: bool = True  # False: one request at a time through the engine's own decode loop
+    speculation: str = "adaptive"  # speculative engines: adaptive tiers, "off", or one tier's name
+    invariant: bool = False  # CUDA: batch-invariant kernels for the target (kernels.invariant)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> SchedulerConfig:
@@ -57,7 +65,7 @@ class SchedulerConfig:
             "max_num_tokens": "max_num_tokens",
             "kv_block_size": "block_size",
         }
-        own = {"max_batch_size", "max_queue", "prefill_chunk"}
+        own = {"max_batch_size", "max_queue", "prefill_chunk", "speculation", "invariant"}
         unknown = set(options) - own - set(cache_keys)
         if unknown:
             raise UserError(
@@ -70,6 +78,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_queue", "prefill_chunk"):
             value = getattr(self, name)
+            if value is not None and not isinstance(value, int):
+                raise UserError(f"--{name.replace('_', '-')} {value!r}: must be an integer")
             if value is not None and value < 1:
                 raise UserError(f"--{name.replace('_', '-')} {value}: must be >= 1")
 
@@ -90,6 +100,9 @@ class Request:
     done: bool = False  # finished or cancelled: its blocks are back in the pool
     worst_blocks: int = 0  # blocks the request may come to hold
     cancelled: bool = False
+    drafts: np.ndarray | None = None  # a speculative step's draft input for this row (spec_step.DRAFT_COUNT ...)
+    accepted_mean: float | None = None  # running mean of draft tokens accepted a drafting step
+    paused_until: int = 0  # the controller step before which this request drafts nothing (low acceptance)
 
     @property
     def prefilled(self) -> bool:
@@ -123,6 +136,11 @@ class Scheduler:
         self.lock = threading.Condition()
         self.thread: threading.Thread | None = None
         self.inflight: _Inflight | None = None  # the decode step queued on the device, not read yet
+        self.spec = step if isinstance(step, SpecStep) else None
+        self.controller = (
+            TierController(self.spec.tiers, AdaptiveConfig(policy=config.speculation)) if self.spec else None
+        )
+        self.free_states = list(range(max_batch_size, 0, -1))  # proposer-state rows; 0 is the padding rows'
 
     @property
     def batch(self) -> BatchStep:
@@ -138,7 +156,10 @@ class Scheduler:
             seed = params.seed if params.seed is not None else random.randrange(SEED_LIMIT)
             ints[TOP_K], ints[SEED] = params.top_k, seed
             floats[TEMPERATURE], floats[TOP_P] = params.temperature, params.top_p
-            request.worst_blocks = self.batch.pool.blocks_for(len(prompt_ids) + params.max_tokens)
+            headroom = self.spec.max_nodes if self.spec is not None else 0  # a tree past the text
+            request.worst_blocks = self.batch.pool.blocks_for(len(prompt_ids) + params.max_tokens + headroom)
+            if self.spec is not None:
+                request.drafts = self.spec.new_drafts()
         with self.lock:
             if len(self.waiting) >= self.config.max_queue:
                 raise EngineBusy(
@@ -211,6 +232,7 @@ class Scheduler:
             if len(self.batch.pool.free) - reserved < head.worst_blocks:
                 break
             reserved += head.worst_blocks
+            head.ints[STATE] = self.free_states.pop()
             self.running.append(self.waiting.popleft())
 
     def _iterate(self) -> None:
@@ -227,6 +249,10 @@ class Scheduler:
             and len(r.out) + r.pending < r.params.max_tokens
             and r is not prefilling
         ]
+        if self.spec is not None:
+            if decoding:
+                self._speculate(decoding)
+            return
         launched = self._launch(decoding) if decoding else None
         self._read_inflight()  # the step before: read while the one just launched runs
         self.inflight = launched
@@ -239,7 +265,7 @@ class Scheduler:
         token = self.batch.prefill(r.prompt_ids[start:end], start, r.ints, r.floats, last=end == len(r.prompt_ids))
         r.cached = end
         if token is not None:
-            self._emit([r], token.tolist(), counts_step=False)
+            self._emit([r], [token.tolist()])
 
     def _launch(self, rows: list[Request]) -> _Inflight:
         """Queue one decode step for `rows`. A row still waiting for the step in flight takes that step's
@@ -269,14 +295,89 @@ class Scheduler:
         for r in inflight.rows:
             r.pending -= 1
         live = [(r, t) for r, t in zip(inflight.rows, tokens) if not r.done]
-        self._emit([r for r, _ in live], [t for _, t in live], counts_step=True)
+        for r, _ in live:
+            r.stats.record(0, 0, 0)
+        self._emit([r for r, _ in live], [[t] for _, t in live])
 
-    def _emit(self, rows: list[Request], tokens: list[int], counts_step: bool) -> None:
-        """Each row's new token through its stop conditions; one chunk each; finished rows leave."""
-        for r, token in zip(rows, tokens):
-            new = r.stop.take(r.out, [token])
-            if counts_step:
-                r.stats.record(0, 0, 0)
+    def _speculate(self, rows: list[Request]) -> None:
+        """One speculative step for `rows`, in the tier the controller picks, read back at once."""
+        spec, controller = self.spec, self.controller
+        assert spec is not None and controller is not None
+        bucket = spec.bucket(len(rows))
+        if not controller.calibrated(bucket):
+            controller.calibrate(bucket, lambda tier: self._padding_step(bucket, tier))
+        drafting = [self._drafts(r, controller.steps) for r in rows]
+        index = controller.choose(bucket, len(rows), sum(drafting))
+        tier = spec.tiers[index]
+        for r, on in zip(rows, drafting):
+            assert r.drafts is not None
+            spec.pool.grow(r.table, r.cached + spec.max_nodes)
+            r.ints[TABLE : TABLE + len(r.table)] = r.table
+            r.ints[TOKEN], r.ints[POSITION], r.ints[CARRY] = r.out[-1], r.cached, NOT_CARRIED
+            r.drafts[DRAFT_COUNT] = tier.num_nodes if on else 0
+            if on and spec.proposer.host_drafts:
+                guess = spec.proposer.host_draft(r.prompt_ids + r.out)[: tier.depth]
+                r.drafts[DRAFT_COUNT] = len(guess)
+                r.drafts[DRAFT_TOKENS : DRAFT_TOKENS + len(guess)] = guess
+        start = time.perf_counter()
+        out = spec.speculate(
+            np.stack([r.ints for r in rows]),
+            np.stack([r.floats for r in rows]),
+            np.stack([r.drafts for r in rows if r.drafts is not None]),
+            index,
+        )
+        host = spec.readback.start(out).read()
+        seconds = time.perf_counter() - start
+        accepted, tokens = [], []
+        for r, on, row in zip(rows, drafting, host):
+            n = row[-1]
+            r.cached += n + 1
+            r.stats.record(tier.num_nodes - 1 if on else 0, tier.depth if on else 0, n)
+            tokens.append(row[: n + 1])
+            if on and index:
+                accepted.append(n)
+                self._track(r, n, controller)
+        controller.observe(bucket, index, seconds, accepted)
+        self._emit(rows, tokens)
+
+    def _drafts(self, r: Request, step: int) -> bool:
+        """Whether a request drafts this step: it did not opt out, and its acceptance is not paused."""
+        return r.params.speculative and step >= r.paused_until
+
+    def _track(self, r: Request, accepted: int, controller: TierController) -> None:
+        """A request's running acceptance; below the cutoff it drafts nothing for a while."""
+        cfg = controller.config
+        mean = r.accepted_mean
+        r.accepted_mean = accepted if mean is None else mean + cfg.request_weight * (accepted - mean)
+        if r.stats.steps >= cfg.request_min_steps and r.accepted_mean < cfg.request_cutoff:
+            r.paused_until = controller.steps + cfg.request_pause
+            r.accepted_mean = None
+
+    def calibrate(self) -> None:
+        """Measure every batch bucket's tiers now (at load) rather than at each bucket's first step."""
+        assert self.spec is not None and self.controller is not None
+        with torch.inference_mode():
+            for bucket in self.spec.buckets:
+                if not self.controller.calibrated(bucket):
+                    self.controller.calibrate(bucket, functools.partial(self._padding_step, bucket))
+
+    def _padding_step(self, bucket: int, tier: int) -> None:
+        """A step of `bucket` padding rows (the scratch block, state row 0), waited for: calibration."""
+        spec = self.spec
+        assert spec is not None
+        ints, floats = spec.new_row()
+        out = spec.speculate(
+            np.stack([ints] * bucket),
+            np.stack([floats] * bucket),
+            np.stack([spec.new_drafts()] * bucket),
+            tier,
+        )
+        spec.readback.start(out).read()
+
+    def _emit(self, rows: list[Request], tokens: list[list[int]]) -> None:
+        """Each row's new tokens through its stop conditions; one chunk each; finished rows leave."""
+        for r, new_tokens in zip(rows, tokens):
+            new = r.stop.take(r.out, new_tokens)
             if r.cancelled:
                 continue  # dropped at the next iteration
             if r.stop.reason:
@@ -290,6 +391,9 @@ class Scheduler:
         # A step still in flight may write this request's blocks: it was queued before any later owner's work.
         r.done = True
         self.batch.pool.release(r.table)
+        if r.ints[STATE]:
+            self.free_states.append(int(r.ints[STATE]))
+            r.ints[STATE] = 0
         if r in self.running:
             self.running.remove(r)
 

@@ -32,8 +32,9 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 
 # Columns of a row's int64 step input: the token fed, its position, top-k, seed, the row of the step before
-# whose output it feeds instead of TOKEN (-1: none), then the block table.
-TOKEN, POSITION, TOP_K, SEED, CARRY, TABLE = 0, 1, 2, 3, 4, 5
+# whose output it feeds instead of TOKEN (-1: none), the request's row in a proposer's state (speculative
+# steps; 0 is a scratch row the padding rows use), then the block table.
+TOKEN, POSITION, TOP_K, SEED, CARRY, STATE, TABLE = 0, 1, 2, 3, 4, 5, 6
 # Columns of a row's float input.
 TEMPERATURE, TOP_P = 0, 1
 
@@ -91,6 +92,7 @@ class BatchStep:
         self.last = torch.zeros(self.buckets[-1], dtype=torch.long, device=self.device)  # the last step's tokens
         self.prefill_buffers: dict[int, _PrefillBuffers] = {}
         self.prefill_graphs: dict[tuple[int, str], CapturedStep] = {}
+        self.capture_layers: tuple[int, ...] = ()  # residual streams a proposer reads from the prefill
 
     def new_row(self) -> tuple[np.ndarray, np.ndarray]:
         """A request's step inputs (ints, floats), kept by the scheduler and updated in place."""
@@ -124,7 +126,17 @@ class BatchStep:
         carry, top_k, seeds, table = ints[:, CARRY], ints[:, TOP_K], ints[:, SEED], ints[:, TABLE:]
         tokens = torch.where(carry >= 0, self.last[carry.clamp(min=0)], ints[:, TOKEN])
         positions = ints[:, POSITION, None]
-        view = PagedView(self.pool, positions, self.pool.slots(table, positions), table, positions[:, 0] + 1, attn_len)
+        view = PagedView(
+            self.pool,
+            positions,
+            self.pool.slots(table, positions),
+            table,
+            positions[:, 0] + 1,
+            attn_len,
+            positions,
+            positions[:, :, None],
+            torch.ones_like(positions),
+        )
         hidden, _ = self.target(tokens[:, None], paged_context(view, self.target.rotary))
         logits = self.target.logits(hidden[:, 0])
         # The drawn token's key is its own position: one past the token fed.
@@ -195,14 +207,38 @@ class BatchStep:
         positions = x.ints[POSITIONS][None]
         table = x.row[None, TABLE:]
         view = PagedView(self.pool, positions, x.ints[SLOTS][None], table, positions[:, -1] + 1, attn_len)
-        hidden, _ = self.target(x.ints[TOKENS][None], paged_context(view, self.target.rotary))
-        if mode == "none":
-            return None
-        last = x.ints[LAST, :1]
-        logits = self.target.logits(hidden[0].index_select(0, last))
-        return self._choose(
-            logits, x.floats[None], x.row[None, TOP_K], x.row[None, SEED], positions[0].index_select(0, last) + 1, mode
+        hidden, captured = self.target(
+            x.ints[TOKENS][None], paged_context(view, self.target.rotary), self.capture_layers
         )
+        last = x.ints[LAST, :1]
+        first = None
+        if mode != "none":
+            logits = self.target.logits(hidden[0].index_select(0, last))
+            first = self._choose(
+                logits,
+                x.floats[None],
+                x.row[None, TOP_K],
+                x.row[None, SEED],
+                positions[0].index_select(0, last) + 1,
+                mode,
+            )
+        self._after_prefill(
+            x.ints[TOKENS], x.ints[POSITIONS], x.row, hidden[0], [c[0] for c in captured], last, first, attn_len
+        )
+        return first
+
+    def _after_prefill(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        row: torch.Tensor,
+        hidden: torch.Tensor,
+        captured: list[torch.Tensor],
+        last: torch.Tensor,
+        first: torch.Tensor | None,
+        attn_len: int,
+    ) -> None:
+        """A speculative step's proposer takes the chunk here (SpecStep); plain decoding needs nothing."""
 
 
 # Rows of a prefill chunk's int input: tokens, positions, pool slots, and the last real token's index.

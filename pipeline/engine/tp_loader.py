@@ -32,21 +32,20 @@ def tp_size(engine: EngineDir) -> int:
     return int(engine.pretrained_config.get("mapping", {}).get("tp_size", 1))
 
 
+def runs_as_ranks(engine: EngineDir, serving: SchedulerConfig | None) -> bool:
+    """Whether a TP > 1 engine runs as one process a rank: plain, batched, without pipeline stages. Others
+    (speculative engines, pipeline-parallel shards, the one-request loop) load their shards merged into one
+    process, as a TP 1 engine."""
+    mapping = engine.pretrained_config.get("mapping", {})
+    batched = serving is None or serving.batched
+    return tp_size(engine) > 1 and engine.spec.mode == "none" and mapping.get("pp_size", 1) == 1 and batched
+
+
 def check_tensor_parallel(engine: EngineDir, device: torch.device, serving: SchedulerConfig) -> int:
     """The rank count of an engine this runtime can run tensor-parallel; UserError naming the fix otherwise."""
     from pipeline.convert.checkpoint import rank_file
 
     world, where = tp_size(engine), str(engine.path)
-    mapping = engine.pretrained_config.get("mapping", {})
-    if engine.spec.mode != "none":
-        raise UserError(
-            f"{where}: tensor parallel (tp_size {world}) runs plain engines only, and this one is speculative "
-            f"({engine.spec.mode}); build it at --tp-size 1, or without a speculative method"
-        )
-    if mapping.get("pp_size", 1) > 1:
-        raise UserError(f"{where}: tp_size {world} with pp_size {mapping['pp_size']}: convert with --pp-size 1")
-    if not serving.batched:
-        raise UserError(f"{where}: a tensor-parallel engine serves batched only; drop batched=False")
     check_split(ModelConfig.from_pretrained_config(engine.pretrained_config), world, where)
     for rank in range(world):
         if not rank_file(engine.path, rank).is_file():

@@ -34,6 +34,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     serving.add_argument("--kv-cache-fraction", type=float, help="share of free GPU memory for the KV cache pool")
     serving.add_argument("--max-num-tokens", type=int, help="KV cache pool size in tokens (instead of the fraction)")
     serving.add_argument("--kv-block-size", type=int, help="tokens per KV cache block")
+    serving.add_argument(
+        "--speculation",
+        help="speculative engines: adaptive (default: the tier expected fastest each step), off (plain steps), "
+        "or one tier by name (plain, chain1.., tree8..)",
+    )
+    serving.add_argument(
+        "--invariant",
+        action="store_true",
+        default=None,
+        help="CUDA: batch-invariant kernels, so that a request's bf16 output does not depend on the batch or on "
+        "speculation (costs speed; BENCHMARKS.md)",
+    )
     repo.set_defaults(func=run_triton_repo)
 
     serve = sub.add_parser("serve", help="run tritonserver on a model repository until Ctrl-C")
@@ -61,6 +73,8 @@ SERVING_OPTIONS = (
     "kv_cache_fraction",
     "max_num_tokens",
     "kv_block_size",
+    "speculation",
+    "invariant",
 )
 
 

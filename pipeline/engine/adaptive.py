@@ -1,0 +1,132 @@
+"""Which tier each speculative step runs: the one expected to emit the most tokens per second.
+
+For a step of B drafting rows in batch bucket b, tier t is worth (B + sum of the rows' expected accepted
+tokens under t) / cost[b][t]. The cost table holds each (bucket, tier)'s step time, measured when the
+bucket is first used (the graphs are captured then anyway) and kept current from the steps that run.
+Expected acceptance comes from each tier's running mean of accepted tokens per drafting row; a tier not
+run yet is estimated from the running per-depth acceptance (P(depth d accepted | depth d - 1 was)),
+the chain's expectation at its depth. Every tier within reach is re-run now and then so that its
+estimate stays current. The plain tier (the root alone) costs one plain step and accepts nothing, so a
+tier is chosen only when it is expected to beat plain decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pipeline.engine.spec_step import Tier
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    """How tiers are chosen (serve option --speculation)."""
+
+    policy: str = "adaptive"  # "adaptive"; "off": plain steps only; or a tier's name: always that tier
+    acceptance_weight: float = 0.05  # weight of a step's acceptance in the running means
+    cost_weight: float = 0.1  # weight of a step's measured time in the cost table
+    prior_acceptance: float = 0.6  # per-depth acceptance assumed before any step has run
+    explore_every: int = 64  # steps between re-runs of a tier that is not the best
+    explore_within: float = 0.7  # ... that is expected to reach at least this share of the best's speed
+    calibration_runs: int = 3  # timed runs per (bucket, tier) when a bucket is first used
+    # A request whose running mean of accepted tokens a drafting step falls below request_cutoff (after
+    # request_min_steps steps) drafts nothing for request_pause steps; its mean moves by request_weight.
+    request_cutoff: float = 0.25
+    request_min_steps: int = 16
+    request_pause: int = 64
+    request_weight: float = 0.2
+
+
+@dataclass
+class TierController:
+    tiers: list[Tier]
+    config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    cost: dict[int, list[float]] = field(default_factory=dict)  # bucket -> seconds a step, per tier
+    accepted: list[float | None] = field(default_factory=list)  # per tier: mean accepted tokens a drafting row
+    depth_acceptance: list[float] = field(default_factory=list)  # P(depth d accepted | d - 1 was), d = 1..
+    steps: int = 0
+    last_run: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, tier) -> step it last ran
+    chosen: dict[int, int] = field(default_factory=dict)  # tier index -> steps it ran (observability)
+
+    def __post_init__(self) -> None:
+        self.accepted = [0.0] + [None] * (len(self.tiers) - 1)
+        self.depth_acceptance = [self.config.prior_acceptance] * max(t.depth for t in self.tiers)
+        if self.config.policy not in ("adaptive", "off") and self.config.policy not in self.names:
+            raise ValueError(
+                f"--speculation {self.config.policy!r}: use adaptive, off, or a tier: {', '.join(self.names)}"
+            )
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tiers]
+
+    def calibrated(self, bucket: int) -> bool:
+        return bucket in self.cost
+
+    def calibrate(self, bucket: int, run: Callable[[int], None]) -> None:
+        """Time each tier on a bucket of padding rows (run(tier) runs one step and waits for it)."""
+        costs = []
+        for index in range(len(self.tiers)):
+            run(index)  # the first run captures (CUDA) or warms up
+            times = []
+            for _ in range(self.config.calibration_runs):
+                start = time.perf_counter()
+                run(index)
+                times.append(time.perf_counter() - start)
+            costs.append(sorted(times)[len(times) // 2])
+        self.cost[bucket] = costs
+
+    def expected(self, index: int) -> float:
+        """Accepted tokens a drafting row is expected to gain from tier `index`."""
+        seen = self.accepted[index]
+        if seen is not None:
+            return seen
+        total, reach = 0.0, 1.0
+        for d in range(self.tiers[index].depth):
+            reach *= self.depth_acceptance[d]
+            total += reach
+        return total
+
+    def choose(self, bucket: int, rows: int, drafting: int) -> int:
+        """The tier for a step of `rows` rows (in `bucket`), `drafting` of which may accept drafts."""
+        self.steps += 1
+        policy = self.config.policy
+        if policy == "off" or drafting == 0:
+            return 0
+        if policy != "adaptive":
+            return self.names.index(policy)
+        costs = self.cost[bucket]
+        speed = [(rows + drafting * self.expected(i)) / costs[i] for i in range(len(self.tiers))]
+        best = max(range(len(speed)), key=speed.__getitem__)
+        for i in range(1, len(speed)):  # re-run a close tier whose estimate has not been refreshed lately
+            stale = self.steps - self.last_run.get((bucket, i), -self.config.explore_every)
+            if (
+                i != best
+                and stale >= self.config.explore_every
+                and speed[i] >= self.config.explore_within * speed[best]
+            ):
+                best = i
+                break
+        self.last_run[(bucket, best)] = self.steps
+        return best
+
+    def observe(self, bucket: int, index: int, seconds: float, accepted: list[int]) -> None:
+        """A step of tier `index` took `seconds` and its drafting rows accepted `accepted` tokens."""
+        self.chosen[index] = self.chosen.get(index, 0) + 1
+        costs = self.cost.get(bucket)
+        if costs is not None:
+            costs[index] += self.config.cost_weight * (seconds - costs[index])
+        if not accepted or index == 0:
+            return
+        w = self.config.acceptance_weight
+        mean = sum(accepted) / len(accepted)
+        seen = self.accepted[index]
+        self.accepted[index] = mean if seen is None else seen + w * (mean - seen)
+        tier = self.tiers[index]
+        if tier.name.startswith("chain"):  # a chain's per-depth acceptance is its top-1 path's
+            for d in range(tier.depth):
+                reached = [n for n in accepted if n >= d]
+                if reached:
+                    rate = sum(1 for n in reached if n > d) / len(reached)
+                    self.depth_acceptance[d] += w * (rate - self.depth_acceptance[d])

@@ -1,0 +1,315 @@
+"""The batched speculative step: every running request drafts, is verified and accepts in one step.
+
+A step runs one *tier*, a static tree shape shared by every row (the root alone, a chain, or a tree):
+1. the proposer drafts each row's tokens for the tier's nodes (node 0 is the row's root, the last
+   emitted token), from its own per-request state on the device;
+2. one target pass over all rows' trees in the block pool: node i of a row sits at sequence index
+   length + i, at RoPE position length + depth(i), and reads the row's accepted text and then its own
+   path through the tree (paged_attention), so it computes exactly what the same token would once its
+   path is accepted;
+3. each row accepts its longest path of drafts that the target itself emits after their parents: the
+   argmax (greedy), or the draw a plain step would make at that position from the row's seed (sampling:
+   lossless, and the output is plain sampling's token for token, whatever the drafts or the tier); its
+   KV is then moved to length .. length + accepted, and the proposer updates its state.
+Rows whose drafts are switched off (a request that opted out, a host draft shorter than the tier) keep
+only their root valid and get a plain step inside the same pass. The step's result stays on the device
+([B, depth + 2]: the accepted tokens, the bonus token, then the count); the scheduler reads it in one copy.
+On CUDA each (batch bucket, tier, sampling mode) replays a graph captured on first use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from pipeline.engine.graphs import CapturedStep, Compiled
+from pipeline.engine.kv_cache import BlockPool, PagedView
+from pipeline.engine.model import Transformer, paged_context
+from pipeline.engine.sampling import argmax_rows
+from pipeline.engine.step import POSITION, SEED, STATE, TABLE, TOKEN, TOP_K, BatchStep, step_mode
+from pipeline.engine.tree import Choices, TreeBuffers, build_tree, chain_buffers
+
+# Columns of a row's draft input: how many of the tier's draft nodes the row may accept (0: a plain step
+# for this row; a host draft's length), then its host draft tokens (n-gram).
+DRAFT_COUNT, DRAFT_TOKENS = 0, 1
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One static tree shape a step can run, with what verification needs precomputed."""
+
+    name: str
+    tree: TreeBuffers
+    paths: torch.Tensor  # [T, depth + 1] node indices root .. node, padded with the node
+    children: torch.Tensor  # [T, C] each node's children in rank order, -1 padded
+    levels: tuple[torch.Tensor, ...]  # node indices at each depth 1 .. depth
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tree.num_nodes
+
+    @property
+    def depth(self) -> int:
+        return self.tree.max_depth
+
+    @classmethod
+    def build(cls, name: str, choices: Choices, device: torch.device) -> Tier:
+        tree = build_tree(choices) if choices else chain_buffers(0)
+        parents = tree.parents.tolist()
+        depth = tree.max_depth
+        paths: list[list[int]] = []
+        children: list[list[int]] = [[] for _ in parents]
+        for node, parent in enumerate(parents):
+            up = [node]
+            while parents[up[-1]] >= 0:
+                up.append(parents[up[-1]])
+            path = up[::-1]
+            paths.append(path + [node] * (depth + 1 - len(path)))
+            if parent >= 0:
+                children[parent].append(node)
+        width = max(1, max(len(c) for c in children))
+        kids = [c + [-1] * (width - len(c)) for c in children]
+        levels = tuple(torch.nonzero(tree.depths == d).flatten().to(device) for d in range(1, depth + 1))
+        return cls(
+            name,
+            tree.to(device),
+            torch.tensor(paths, device=device),
+            torch.tensor(kids, device=device),
+            levels,
+        )
+
+
+# Node counts of the tree tiers (root included), when the proposer's choices and max_nodes allow them.
+TREE_TIER_NODES = (8, 16, 32, 64)
+
+
+def tier_ladder(choices: Choices, max_nodes: int, max_depth: int, device: torch.device) -> list[Tier]:
+    """The tiers a proposer offers, cheapest first: plain (the root alone), chains of 1 .. max_depth top-1
+    tokens, then trees of the given choices' most probable prefixes (choices are ordered that way)."""
+    tiers = [Tier.build("plain", [], device)]
+    for d in range(1, min(max_depth, max_nodes - 1) + 1):
+        tiers.append(Tier.build(f"chain{d}", [[0] * k for k in range(1, d + 1)], device))
+    closed: Choices = []
+    for path in choices:  # in order, without paths too deep or whose parent was dropped
+        if len(path) <= max_depth and (len(path) == 1 or path[:-1] in closed):
+            closed.append(list(path))
+    sizes: set[int] = set()
+    for nodes in TREE_TIER_NODES:
+        paths = closed[: min(nodes, max_nodes) - 1]
+        if len(paths) > max_depth and len(paths) not in sizes:  # a tree, not a chain
+            sizes.add(len(paths))
+            tiers.append(Tier.build(f"tree{len(paths) + 1}", paths, device))
+    return tiers
+
+
+@dataclass
+class Drafting:
+    """What a proposer reads to draft one step (device tensors of the step's rows)."""
+
+    roots: torch.Tensor  # [B] the last emitted token of each row
+    lengths: torch.Tensor  # [B] each row's cached length: its root's position
+    table: torch.Tensor  # [B, blocks]
+    state: torch.Tensor  # [B] each row's proposer-state row
+    drafts: torch.Tensor  # [B, 1 + k]: DRAFT_COUNT (draft nodes the row may accept), then host draft tokens
+
+
+@dataclass
+class Chunk:
+    """One request's prefill chunk, as a proposer sees it after the target's pass."""
+
+    state: torch.Tensor  # [1] the request's proposer-state row
+    tokens: torch.Tensor  # [n] the chunk's tokens, padded (padding: token 0 at position 0)
+    positions: torch.Tensor  # [n]
+    table: torch.Tensor  # [1, blocks]
+    hidden: torch.Tensor  # [n, H] the target's final hidden states
+    captured: list[torch.Tensor]  # [n, H] residual streams after the capture layers
+    last: torch.Tensor  # [1] index of the chunk's last real token
+    first: torch.Tensor | None  # [1] the request's first token when the chunk ends the prompt
+    attn_len: int  # sequence indices the chunk's reads cover
+
+
+@dataclass
+class Verified:
+    """One step's acceptance, per row."""
+
+    path: torch.Tensor  # [B, depth + 1] node indices root .. last accepted, padded
+    num_accepted: torch.Tensor  # [B]
+    tokens: torch.Tensor  # [B, depth + 1] accepted draft tokens, then the bonus token at num_accepted
+    hidden: torch.Tensor  # [B, T, H] the target's final hidden states at every node
+    captured: list[torch.Tensor]  # [B, T, H] residual stream after each capture layer
+
+
+class BatchProposer(Protocol):
+    """A drafting method in batched form: per-request state lives in rows of its own device buffers."""
+
+    capture_layers: tuple[int, ...]
+    tiers: list[Tier]
+    host_drafts: int  # host draft tokens a row carries (n-gram), 0 when it drafts on the device
+
+    def prefill(self, chunk: Chunk) -> None:
+        """After the target's pass over a prefill chunk of one request."""
+
+    def host_draft(self, history: list[int]) -> list[int]:
+        """Draft tokens computed on the host from a row's text (host_drafts > 0 only)."""
+        ...
+
+    def draft(self, rows: Drafting, tier: Tier) -> torch.Tensor:
+        """[B, T] the tier's tokens for each row (the roots at node 0)."""
+
+    def accepted(self, rows: Drafting, tier: Tier, result: Verified) -> None:
+        """After verification: take the accepted path into the per-request state."""
+
+
+class SpecStep(BatchStep):
+    """BatchStep's pool, buckets, prefill and sampling, with speculative decode steps in tiers."""
+
+    def __init__(
+        self, target: Transformer, pool: BlockPool, proposer: BatchProposer, max_batch_size: int, max_seq_len: int
+    ):
+        self.proposer = proposer
+        self.max_nodes = max(t.num_nodes for t in proposer.tiers)
+        super().__init__(target, pool, max_batch_size, max_seq_len + self.max_nodes)
+        self.capture_layers = proposer.capture_layers
+        self.draft_width = 1 + proposer.host_drafts
+        self.spec_buffers: dict[int, torch.Tensor] = {}
+        self.spec_graphs: dict[tuple[int, int, str], CapturedStep] = {}
+        # The plain tier runs at every load: compiled (CUDA), it costs what a plain engine's step does, so
+        # that falling back to plain steps never costs more than plain decoding. The tree tiers' graphs are
+        # captured eagerly (one compilation per bucket and tier would take minutes at load).
+        self.compiled_plain = Compiled(self._speculate, None if self.capture else False)
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return self.proposer.tiers
+
+    def bucket(self, rows: int) -> int:
+        """The batch bucket a step of `rows` rows runs in (its graphs' and its cost's key)."""
+        return next(b for b in self.buckets if b >= rows)
+
+    def new_drafts(self) -> np.ndarray:
+        return np.zeros(self.draft_width, dtype=np.int64)
+
+    def speculate(self, ints: np.ndarray, floats: np.ndarray, drafts: np.ndarray, tier: int) -> torch.Tensor:
+        """One speculative step of tier `tier` for B rows (ints: TOKEN = root, POSITION = cached length,
+        the table covering length + the tier's nodes) -> [B, depth + 2] on the device."""
+        rows = ints.shape[0]
+        mode = step_mode(floats, ints)
+        if not self.capture:
+            return self._speculate(
+                torch.from_numpy(ints), torch.from_numpy(floats), torch.from_numpy(drafts), tier, mode
+            )
+        bucket = next(b for b in self.buckets if b >= rows)
+        x = self.buffers[bucket]
+        x.fill(ints, floats)
+        if bucket not in self.spec_buffers:
+            self.spec_buffers[bucket] = torch.zeros(bucket, self.draft_width, dtype=torch.long, device=self.device)
+        d = self.spec_buffers[bucket]
+        d.zero_()
+        d[:rows].copy_(torch.from_numpy(drafts), non_blocking=False)
+        key = (bucket, tier, mode)
+        if key not in self.spec_graphs:
+            run = self.compiled_plain if tier == 0 else self._speculate
+            self.spec_graphs[key] = CapturedStep(lambda: run(x.ints, x.floats, d, tier, mode), self.pool_handle)
+        return self.spec_graphs[key]()[:rows]
+
+    def _speculate(
+        self, ints: torch.Tensor, floats: torch.Tensor, drafts: torch.Tensor, tier_index: int, mode: str
+    ) -> torch.Tensor:
+        tier = self.tiers[tier_index]
+        ints, floats, drafts = ints.to(self.device), floats.to(self.device), drafts.to(self.device)
+        lengths, table = ints[:, POSITION], ints[:, TABLE:]
+        rows = Drafting(ints[:, TOKEN], lengths, table, ints[:, STATE], drafts)
+        tokens = self.proposer.draft(rows, tier)  # [B, T]
+        t = tier.num_nodes
+        node_ids = torch.arange(t, device=self.device)
+        positions = lengths[:, None] + tier.tree.depths[None, :]
+        seq = lengths[:, None] + node_ids[None, :]
+        region = lengths[:, None, None] + tier.paths[None]  # [B, T, depth + 1]
+        attn_len = self.max_seq_len if self.capture else int(lengths.max()) + t
+        count = (tier.tree.depths + 1)[None, :].expand(tokens.shape[0], -1)
+        hidden, captured = self._verify(tokens, positions, self.pool.slots(table, seq), table, region, count, attn_len)
+        valid = node_ids[None, :] <= drafts[:, DRAFT_COUNT, None]
+        nxt = self._next_tokens(hidden, ints, floats, positions, mode)  # [B, T]: the token after each node
+        path, num, out = accept_rows(tier, tokens, nxt, valid)
+        done = Verified(path, num, out, hidden, captured)
+        self._compact(table, lengths, path)
+        self.proposer.accepted(rows, tier, done)
+        return torch.cat([out, num[:, None]], dim=1)
+
+    def _verify(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        table: torch.Tensor,
+        region: torch.Tensor,
+        count: torch.Tensor,
+        attn_len: int,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The target over every row's tree: node t of row b reads its row's text (the sequence indices below
+        region[b, t, 0], its root's), then its path from the root, region[b, t, :count[b, t]]."""
+        prefix = region[:, :, 0]
+        view = PagedView(self.pool, positions, slots, table, prefix[:, 0] + 1, attn_len, prefix, region, count)
+        return self.target(tokens, paged_context(view, self.target.rotary), self.capture_layers)
+
+    def _compact(self, table: torch.Tensor, lengths: torch.Tensor, path: torch.Tensor) -> None:
+        """Each row's accepted path to sequence indices length .. length + depth, in every layer."""
+        if path.shape[1] == 1:
+            return  # the root is already in place
+        steps = torch.arange(path.shape[1], device=path.device)
+        src = self.pool.slots(table, lengths[:, None] + path)
+        dst = self.pool.slots(table, lengths[:, None] + steps[None, :])
+        self.pool.move(src, dst)
+
+    def _next_tokens(
+        self, hidden: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, positions: torch.Tensor, mode: str
+    ) -> torch.Tensor:
+        """The token the target emits after each node: the argmax, or the draw a plain step would make at
+        that position (Gumbel-max over the row's seed and the position drawn), so that sampled output does
+        not depend on the drafts or the tier either."""
+        b, t = positions.shape
+        logits = self.target.logits(hidden.reshape(b * t, -1))
+        if mode == "greedy":
+            return argmax_rows(logits).view(b, t)
+        per_node = ints.repeat_interleave(t, dim=0), floats.repeat_interleave(t, dim=0)
+        return self._choose(
+            logits, per_node[1], per_node[0][:, TOP_K], per_node[0][:, SEED], positions.reshape(-1) + 1, mode
+        ).view(b, t)
+
+    def _after_prefill(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        row: torch.Tensor,
+        hidden: torch.Tensor,
+        captured: list[torch.Tensor],
+        last: torch.Tensor,
+        first: torch.Tensor | None,
+        attn_len: int,
+    ) -> None:
+        chunk = Chunk(row[STATE].view(1), tokens, positions, row[None, TABLE:], hidden, captured, last, first, attn_len)
+        self.proposer.prefill(chunk)
+
+
+def accept_rows(
+    tier: Tier, tokens: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's longest path of drafts that the target itself emits: node i is accepted when its token
+    is nxt at its parent (and so are its ancestors). With nxt the argmax this is exact greedy decoding;
+    with nxt the target's own seeded draws it is lossless sampling whose output is plain sampling's.
+    tokens, nxt, valid [B, T] -> (path [B, depth + 1], accepted count [B], tokens [B, depth + 1]: the
+    accepted drafts, then the target's token after the last of them)."""
+    parent = tier.tree.parents.clamp(min=0)
+    ok = (tokens == nxt[:, parent]) & valid
+    ok[:, 0] = True
+    path_ok = ~(tier.tree.mask[None] & ~ok[:, None, :]).any(-1)  # [B, T]: the whole root path matches
+    best = torch.where(path_ok, tier.tree.depths[None, :], -1).argmax(-1)  # the deepest, first on ties
+    path = tier.paths[best]
+    num = tier.tree.depths[best]
+    steps = torch.arange(tier.depth + 1, device=tokens.device)
+    drafted = tokens.gather(1, path[:, (steps + 1).clamp(max=tier.depth)])
+    out = torch.where(steps[None, :] < num[:, None], drafted, nxt.gather(1, best[:, None]))
+    return path, num, out

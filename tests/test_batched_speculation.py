@@ -1,0 +1,243 @@
+"""Batched speculation: every method verified for all requests in flight at once, in adaptive tiers.
+
+fp32 on the CPU: each batched speculative request's output is plain greedy's token for token, whatever
+tiers run and however they switch; oracle drafts accept at full depth in a batch; an opted-out request
+inside a speculative batch is served plainly; the device's lossless sampling keeps the target's
+distribution (and a broken rule is caught by the same check).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import convert_and_build
+
+from pipeline.convert.tiny import make_random_eagle, make_random_eagle3, make_random_medusa
+from pipeline.engine.adaptive import AdaptiveConfig
+from pipeline.engine.kernels.routing import TORCH_TOPK
+from pipeline.engine.runner import Engine, SamplingParams
+from pipeline.engine.sampling import sample_rows
+from pipeline.engine.scheduler import SchedulerConfig
+from pipeline.engine.spec_step import Tier, accept_rows
+
+PROMPTS = [
+    "def add(a, b):",
+    "The quick brown fox jumps over the lazy dog and then",
+    "hello hello hello",
+    "1, 2, 3, 4,",
+    "Once upon a time",
+]
+HIDDEN = 64
+
+
+def vocab_of(folder: Path) -> int:
+    return json.loads((folder / "config.json").read_text())["vocab_size"]
+
+
+CASES = {
+    "eagle": lambda d, v: dict(eagle=make_random_eagle(d / "e", HIDDEN, v, with_embedding=False)),
+    "eagle3-dynamic": lambda d, v: dict(
+        eagle3=make_random_eagle3(d / "e3", HIDDEN, v),
+        dynamic_tree=True,
+        dynamic_top_k=4,
+        dynamic_depth=3,
+        max_draft_len=10,
+    ),
+    "medusa": lambda d, v: dict(medusa=make_random_medusa(d / "m", HIDDEN, v, with_lm_head=False)),
+    "ngram": lambda d, v: dict(speculative="ngram", ngram_k=3),
+}
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir: Path, tmp_path_factory) -> Engine:
+    return Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path_factory.mktemp("plain")))
+
+
+@pytest.fixture(scope="module")
+def built(tiny_llama_dir: Path, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("spec")
+    vocab = vocab_of(tiny_llama_dir)
+    return {name: convert_and_build(tiny_llama_dir, root / name, **make(root, vocab)) for name, make in CASES.items()}
+
+
+def mixed_requests(engine: Engine) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts of different lengths, budgets that end inside a tree, a stop word."""
+    requests = []
+    for i, text in enumerate(PROMPTS):
+        params = SamplingParams(max_tokens=(5, 13, 30, 21, 9)[i], end_id=-1)
+        if i == 3:
+            params = replace(params, stop_words=(" 7",))
+        requests.append((engine.tokenizer(text).input_ids, params))
+    return requests
+
+
+def run_together(engine: Engine, requests) -> list[list[int]]:
+    """All requests submitted at once, each stream read on its own thread."""
+    streams = [engine.stream(ids, params) for ids, params in requests]
+    outs: list[list[int]] = [[] for _ in streams]
+
+    def read(i: int) -> None:
+        for chunk in streams[i]:
+            outs[i] += chunk.token_ids
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(streams))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_method_batched_is_plain_greedy_in_every_tier(case, built, plain):
+    requests = mixed_requests(plain)
+    want = [plain.generate(ids, params).token_ids for ids, params in requests]
+    engine = Engine.from_dir(built[case])
+    controller = engine.scheduler.controller
+    assert controller is not None
+    for policy in ["adaptive", *controller.names]:
+        controller.config = replace(controller.config, policy=policy)
+        for batch in (1, 3, len(requests)):
+            got = run_together(engine, requests[:batch])
+            assert got == want[:batch], (case, policy, batch)
+    assert engine.scheduler.usage()["used_blocks"] == 0
+
+
+def test_a_tier_switch_in_the_middle_of_a_request_stays_exact(built, plain):
+    engine = Engine.from_dir(built["eagle"])
+    controller = engine.scheduler.controller
+    assert controller is not None
+    ids, params = plain.tokenizer(PROMPTS[1]).input_ids, SamplingParams(max_tokens=40, end_id=-1)
+    policies = iter(["tree16", "chain1", "off", "chain4", "tree8", "plain", "tree64"] * 20)
+    out: list[int] = []
+    for chunk in engine.stream(ids, params):  # one chunk a step: switch before the next step
+        out += chunk.token_ids
+        controller.config = replace(controller.config, policy=next(policies))
+    assert out == plain.generate(ids, params).token_ids
+
+
+def test_an_opted_out_request_is_served_plainly_inside_a_speculative_batch(built, plain):
+    engine = Engine.from_dir(built["medusa"], serving=SchedulerConfig(speculation="tree8"))
+    requests = mixed_requests(plain)[:3]
+    requests[1] = (requests[1][0], replace(requests[1][1], speculative=False))
+    streams = [engine.stream(ids, params) for ids, params in requests]
+    results = []
+    for stream in streams:
+        for chunk in stream:
+            if chunk.finished:
+                results.append(chunk.result)
+    for (ids, params), result in zip(requests, results):
+        assert result.token_ids == plain.generate(ids, replace(params, speculative=True)).token_ids
+    assert results[1].stats.draft_tokens == 0 and results[1].stats.accepted_tokens == 0
+    assert results[0].stats.draft_tokens > 0
+
+
+class OracleNet(torch.nn.Module):
+    """Stands in for an EAGLE draft in batched form: the pair at position j guesses ref[j + 2]."""
+
+    def __init__(self, real: torch.nn.Module, ref: list[int]):
+        super().__init__()
+        self.real, self.ref = real, torch.tensor(ref)
+        self.cfg, self.rotary, self.lm_head = real.cfg, real.rotary, real.lm_head
+        self.drafter = TORCH_TOPK
+
+    def forward(self, tokens, features, ctx):
+        guess = self.ref[(ctx.positions + 2).clamp(max=len(self.ref) - 1)]
+        return guess.float()[..., None].expand(*guess.shape, self.cfg.hidden_size).clone()
+
+    def logits(self, hidden):
+        out = torch.full((hidden.shape[0], self.cfg.vocab_size), -1.0)
+        out[torch.arange(hidden.shape[0]), hidden[:, 0].long()] = 10.0
+        return out
+
+    def top_logp(self, hidden, k):
+        return torch.log_softmax(self.logits(hidden), dim=-1).topk(k, dim=-1)
+
+
+@pytest.mark.parametrize("tier", ["chain4", "tree16"])
+def test_oracle_eagle_accepts_full_depth_for_every_request_of_a_batch(tier, built, plain):
+    engine = Engine.from_dir(built["eagle"], serving=SchedulerConfig(speculation=tier))
+    spec = engine.scheduler.spec
+    assert spec is not None
+    depth = spec.tiers[engine.scheduler.controller.names.index(tier)].depth
+    ids = plain.tokenizer(PROMPTS[0]).input_ids
+    n = 4 * (depth + 1) * 3
+    ref = ids + plain.generate(ids, SamplingParams(max_tokens=n + depth + 2, end_id=-1)).token_ids
+    spec.proposer.net = OracleNet(spec.proposer.net, ref)
+    requests = [(ids, SamplingParams(max_tokens=n, end_id=-1)) for _ in range(3)]
+    streams = [engine.stream(i, p) for i, p in requests]
+    results = [next(c.result for c in s if c.finished) for s in streams]
+    for result in results:
+        assert result.token_ids == ref[len(ids) : len(ids) + n]
+        assert result.stats.acceptance_length == depth + 1
+        assert result.stats.per_depth_acceptance == [1.0] * depth
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: a node's draft is accepted when it is the target's own seeded draw at that position.
+
+VOCAB = 6
+ROWS = 40_000
+TEMPERATURE = 0.9
+
+
+def first_token_frequencies(broken: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """ROWS rows (seeds) of one tree: a root with two children, the first with one child. The first token
+    a row emits is its first accepted draft, or the target's draw at the root. `broken`: drafts accepted by
+    a coin of probability p(x) of their own, not coupled to the draw (what a careless rule does)."""
+    tier = Tier.build("t", [[0], [1], [0, 0]], torch.device("cpu"))
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(tier.num_nodes, VOCAB, generator=gen) * 1.5
+    tokens = torch.tensor([0, 2, 4, 1])[None].expand(ROWS, -1)  # root, child (rank 0), child (rank 1), grandchild
+    seeds = torch.arange(ROWS).repeat_interleave(tier.num_nodes)
+    positions = (10 + tier.tree.depths).repeat(ROWS) + 1
+    flat = logits.repeat(ROWS, 1)
+    temperature = torch.full((flat.shape[0],), TEMPERATURE)
+    drawn = sample_rows(flat, temperature, torch.zeros_like(seeds), torch.ones(flat.shape[0]), seeds, positions, False)
+    nxt = drawn.view(ROWS, tier.num_nodes)
+    valid = torch.ones(ROWS, tier.num_nodes, dtype=torch.bool)
+    if broken:
+        probs = torch.softmax(logits / TEMPERATURE, -1)
+        coin = torch.rand(ROWS, tier.num_nodes, generator=gen) < probs[0, tokens[0]][None]
+        nxt = torch.where(coin, tokens, nxt)  # the root's children accepted by their own coins
+    _, _, out = accept_rows(tier, tokens, nxt, valid)
+    want = torch.softmax(logits[0].double() / TEMPERATURE, -1)
+    return torch.bincount(out[:, 0], minlength=VOCAB).double() / ROWS, want
+
+
+def within_sampling_error(freq: torch.Tensor, want: torch.Tensor) -> bool:
+    sigma = (want * (1 - want) / ROWS).sqrt()
+    return bool(((freq - want).abs() <= 5 * sigma + 1e-3).all())
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    freq, want = first_token_frequencies()
+    assert within_sampling_error(freq, want), (freq, want)
+    broken, want = first_token_frequencies(broken=True)
+    assert not within_sampling_error(broken, want), "the check must catch a rule that is not lossless"
+
+
+def test_sampled_output_is_plain_samplings_in_every_tier_and_batch(built, plain):
+    """The same seed gives plain sampling's tokens, whatever the tier, the batch and the other rows."""
+    ids = plain.tokenizer(PROMPTS[1]).input_ids
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_k=20, seed=11, end_id=-1)
+    requests = [
+        (ids, params),
+        (ids, replace(params, seed=12, top_k=0, top_p=0.9)),
+        (ids, replace(params, temperature=0.0)),
+        (plain.tokenizer(PROMPTS[0]).input_ids, replace(params, seed=5)),
+    ]
+    want = [plain.generate(i, p).token_ids for i, p in requests]
+    assert want[0] != want[1]
+    engine = Engine.from_dir(built["eagle"])
+    controller = engine.scheduler.controller
+    assert controller is not None
+    for policy in ["adaptive", "chain2", "tree16", "off"]:
+        controller.config = AdaptiveConfig(policy=policy)
+        assert run_together(engine, requests) == want, policy
+        assert run_together(engine, requests[:1]) == want[:1], policy
