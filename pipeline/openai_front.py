@@ -62,6 +62,7 @@ class Sampling:
     top_p: float
     stop: tuple[str, ...]
     seed: int | None
+    speculative: bool = True  # the extra field `speculative`: false serves the request without drafting
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,10 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise RequestError(f"'seed' must be an integer, got {seed!r}")
-    return Sampling(max_tokens, temperature, top_p, stop, seed)
+    speculative = body.get("speculative", True)
+    if not isinstance(speculative, bool):
+        raise RequestError(f"'speculative' must be true or false, got {speculative!r}")
+    return Sampling(max_tokens, temperature, top_p, stop, seed, speculative)
 
 
 class StopMatcher:
@@ -175,6 +179,8 @@ class TritonEnsemble:
             wanted["seed"] = [s.seed]
         if end_id is not None:
             wanted["end_id"] = [end_id]
+        if not s.speculative:
+            wanted["speculative"] = [False]
         return [self._tensor(k, v) for k, v in wanted.items() if k in self.inputs]
 
     async def generate(self, prompt: str, s: Sampling, end_id: int | None) -> AsyncIterator[TritonDelta]:

@@ -85,6 +85,19 @@ def test_completion_streaming_equals_non_streaming(front):
     assert len(streamed.timing.chunk_times) >= 1
 
 
+def test_a_request_can_opt_out_of_speculation(front):
+    """`speculative: false` reaches the engine: no drafts for that request, the same greedy text."""
+    base, _ = front
+    body = {"model": MODEL, "prompt": "one two three one two three one two", "max_tokens": MAX_TOKENS, "temperature": 0}
+    drafted = _post(base, "/v1/completions", body).json()
+    assert drafted["spec"]["draft_tokens"] > 0  # a repeating prompt: the n-gram table proposes
+    plain = _post(base, "/v1/completions", {**body, "speculative": False}).json()
+    assert plain["spec"]["draft_tokens"] == 0
+    assert plain["choices"][0]["text"] == drafted["choices"][0]["text"]
+    bad = _post(base, "/v1/completions", {**body, "speculative": "no"})
+    assert bad.status_code == 400 and "speculative" in bad.json()["error"]["message"]
+
+
 def test_sse_framing_ends_with_done(front):
     base, _ = front
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}

@@ -248,6 +248,8 @@ def test_verifier_reports_no_mismatch_medusa_through_the_cli_server(medusa_engin
         assert [r.match for r in results] == [True, True]
         reply = generate(grpc_url, PROMPTS[1], Sampling(max_tokens=MAX_TOKENS), stream=True)
         assert reply.total_draft_tokens > 0  # the heads drafted; random heads are rarely right
+        opted_out = generate(grpc_url, PROMPTS[1], Sampling(max_tokens=MAX_TOKENS, speculative=False), stream=True)
+        assert opted_out.total_draft_tokens == 0 and opted_out.text == reply.text
 
 
 @pytest.mark.slow

@@ -278,8 +278,9 @@ def test_smollm2_random_medusa_and_eagle_are_lossless(smollm2_engine_dir):
 
 
 # The committed drafts (drafts/smollm2-<kind>), converted as `make build-engines` does, with the CPU's small
-# EAGLE trees. A random draft accepts almost nothing on the real target; a converter that misplaced a trained
-# tensor would fall to that.
+# EAGLE trees, verified in the engine's full tree every step (the adaptive controller may pick smaller tiers
+# on a slow host). A random draft accepts almost nothing on the real target; a converter that misplaced a
+# trained tensor would fall to that.
 CPU_TREE = dict(dynamic_tree=True, dynamic_top_k=4, dynamic_depth=2, max_draft_len=5)
 SHIPPED_DRAFTS = {"medusa": {}, "eagle": CPU_TREE, "eagle3": CPU_TREE}
 TRAINED_ACCEPTANCE_AT_LEAST = 1.5
@@ -295,7 +296,8 @@ def smollm2_plain_tokens(smollm2_engine_dir) -> list[int]:
 @pytest.mark.parametrize("kind", SHIPPED_DRAFTS)
 def test_shipped_drafts_are_lossless_and_accept(kind, smollm2_source, smollm2_plain_tokens, tmp_path):
     folder = Path(__file__).resolve().parents[1] / "drafts" / f"smollm2-{kind}"
-    engine = Engine.from_dir(convert_and_build(smollm2_source, tmp_path, **{kind: folder}, **SHIPPED_DRAFTS[kind]))
+    built = convert_and_build(smollm2_source, tmp_path, **{kind: folder}, **SHIPPED_DRAFTS[kind])
+    engine = Engine.from_dir(built, serving=SchedulerConfig(speculation="full"))
     got = greedy(engine, SHIPPED_PROMPT, SHIPPED_TOKENS)
     assert got.token_ids == smollm2_plain_tokens
     assert got.stats.acceptance_length >= TRAINED_ACCEPTANCE_AT_LEAST, got.stats

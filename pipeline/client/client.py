@@ -71,6 +71,7 @@ class Sampling:
     seed: int | None = None
     end_id: int | None = None
     stop_words: tuple[str, ...] = ()
+    speculative: bool | None = None  # False: the engine serves this request without drafting
 
 
 def text_inputs(prompt: str | bytes, sampling: Sampling, stream: bool) -> dict[str, np.ndarray]:
@@ -114,6 +115,7 @@ def _add_sampling(inputs: dict[str, np.ndarray], s: Sampling, names: dict[str, s
         (names["top_p"], s.top_p, np.float32),
         ("seed", s.seed, np.uint64),
         ("end_id", s.end_id, np.int32),
+        ("speculative", s.speculative, np.bool_),
     ):
         if value is not None:
             inputs[name] = np.array([[value]], dtype=dtype)

@@ -18,12 +18,16 @@ from dataclasses import dataclass, field
 
 from pipeline.engine.spec_step import Tier
 
+POLICIES = ("adaptive", "off", "full")
+
 
 @dataclass(frozen=True)
 class AdaptiveConfig:
     """How tiers are chosen (serve option --speculation)."""
 
-    policy: str = "adaptive"  # "adaptive"; "off": plain steps only; or a tier's name: always that tier
+    # "adaptive"; "off": plain steps only; "full": the largest tier always (a static engine's tree); or a
+    # tier's name: always that tier.
+    policy: str = "adaptive"
     acceptance_weight: float = 0.05  # weight of a step's acceptance in the running means
     cost_weight: float = 0.1  # weight of a step's measured time in the cost table
     prior_acceptance: float = 0.6  # per-depth acceptance assumed before any step has run
@@ -52,9 +56,9 @@ class TierController:
     def __post_init__(self) -> None:
         self.accepted = [0.0] + [None] * (len(self.tiers) - 1)
         self.depth_acceptance = [self.config.prior_acceptance] * max(t.depth for t in self.tiers)
-        if self.config.policy not in ("adaptive", "off") and self.config.policy not in self.names:
+        if self.config.policy not in POLICIES and self.config.policy not in self.names:
             raise ValueError(
-                f"--speculation {self.config.policy!r}: use adaptive, off, or a tier: {', '.join(self.names)}"
+                f"--speculation {self.config.policy!r}: use {', '.join(POLICIES)}, or a tier: {', '.join(self.names)}"
             )
 
     @property
@@ -94,6 +98,8 @@ class TierController:
         policy = self.config.policy
         if policy == "off" or drafting == 0:
             return 0
+        if policy == "full":
+            return len(self.tiers) - 1
         if policy != "adaptive":
             return self.names.index(policy)
         costs = self.cost[bucket]

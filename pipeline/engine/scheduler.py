@@ -53,19 +53,19 @@ class SchedulerConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens an iteration prefills at most
     cache: CacheBudget = field(default_factory=CacheBudget)
     batched: bool = True  # False: one request at a time through the engine's own decode loop
-    speculation: str = "adaptive"  # speculative engines: adaptive tiers, "off", or one tier's name
+    speculation: str = "adaptive"  # speculative engines: adaptive tiers, "off", "full", or one tier's name
     invariant: bool = False  # CUDA: batch-invariant kernels for the target (kernels.invariant)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> SchedulerConfig:
-        """From flat options (the serve flags' names with underscores: max_batch_size, max_queue,
-        prefill_chunk, kv_cache_fraction, max_num_tokens, kv_block_size); UserError for an unknown one."""
+        """From flat options (the serve flags' names with underscores, `batched` for --serial); UserError
+        for an unknown one."""
         cache_keys = {
             "kv_cache_fraction": "kv_cache_fraction",
             "max_num_tokens": "max_num_tokens",
             "kv_block_size": "block_size",
         }
-        own = {"max_batch_size", "max_queue", "prefill_chunk", "speculation", "invariant"}
+        own = {"max_batch_size", "max_queue", "prefill_chunk", "speculation", "invariant", "batched"}
         unknown = set(options) - own - set(cache_keys)
         if unknown:
             raise UserError(

@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     serving.add_argument(
         "--speculation",
         help="speculative engines: adaptive (default: the tier expected fastest each step), off (plain steps), "
-        "or one tier by name (plain, chain1.., tree8..)",
+        "full (the engine's largest tree every step), or one tier by name (plain, chain1.., tree8..)",
     )
     serving.add_argument(
         "--invariant",
@@ -45,6 +45,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="CUDA: batch-invariant kernels, so that a request's bf16 output does not depend on the batch or on "
         "speculation (costs speed; BENCHMARKS.md)",
+    )
+    serving.add_argument(
+        "--serial",
+        dest="batched",
+        action="store_const",
+        const=False,
+        help="serve one request at a time through the engine's own decode loop (the single-stream path)",
     )
     repo.set_defaults(func=run_triton_repo)
 
@@ -75,6 +82,7 @@ SERVING_OPTIONS = (
     "kv_block_size",
     "speculation",
     "invariant",
+    "batched",
 )
 
 

@@ -81,6 +81,7 @@ _ENGINE_SCALARS = (
     ("exclude_input_in_output", "BOOL"),
     ("stop", "BOOL"),
     ("streaming", "BOOL"),
+    ("speculative", "BOOL"),  # portable engine: False serves the request with plain steps (default True)
 )
 ENGINE_INPUTS = (
     _opt("input_ids", "INT32", (VARIABLE,), ragged=True),
@@ -148,6 +149,7 @@ ENGINE_INPUT_OF = {
     "return_num_output_tokens": "return_num_output_tokens",
     "beam_width": "beam_width",
     "stream": "streaming",
+    "speculative": "speculative",
 }
 # Client-facing input -> preprocessing input.
 PREPROCESSING_INPUT_OF = {
@@ -196,6 +198,7 @@ ENSEMBLE_INPUTS = (
     _opt("return_num_output_tokens", "BOOL"),
     _opt("beam_width", "INT32"),
     _opt("stream", "BOOL"),
+    _opt("speculative", "BOOL"),  # False: no drafting for this request (speculative engines)
     _opt("apply_chat_template", "BOOL"),  # the prompt is one user turn: wrap it in the tokenizer's chat template
 )
 ENSEMBLE_OUTPUTS = (Tensor("text_output", "STRING", (VARIABLE,)),) + PASSTHROUGH_OUTPUTS

@@ -80,7 +80,7 @@ class KernelTuning:
     # row count, so a token's outputs do not depend on the batch or the tree around it.
     # (BLOCK_M rows, BLOCK_N outputs, BLOCK_K columns, warps, stages) of every product: fixed, never picked
     # from the row count (another tile would sum in another order).
-    invariant_tile: tuple[int, int, int, int, int] = (16, 64, 128, 4, 4)
+    invariant_tile: tuple[int, int, int, int, int] = (64, 64, 64, 4, 3)
     # K is split until the output tiles times the splits reach this many programs (a one-row product streams
     # its weights: it needs programs on every SM), at most invariant_max_splits spans of at least
     # invariant_min_blocks_per_split column blocks; from (N, K) only.

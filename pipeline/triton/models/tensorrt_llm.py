@@ -242,6 +242,7 @@ class TritonPythonModel:
             seed=None if seed is None else int(seed),
             end_id=end_id,
             stop_words=_words_from_ids(self.engine.tokenizer, _input(request, "stop_words_list")),
+            speculative=bool(_scalar(request, "speculative", True)),
         )
         return input_ids.reshape(-1)[:length].tolist(), params
 
