@@ -199,11 +199,13 @@ def test_verifier_reports_no_mismatch_plain(server, tiny_llama_dir):
     assert all(r.acceptance_length == 1.0 for r in results)
 
 
-def _serve_cli(engine_dir: Path, tmp: Path):
+def _serve_cli(engine_dir: Path, tmp: Path, *repo_options: str):
     """`specpipe triton-repo` + `specpipe serve` as a user runs them; stopped with SIGTERM, checked clean."""
     repo, ports = tmp / "repo", free_ports()
     specpipe = [sys.executable, "-m", "pipeline"]
-    subprocess.run([*specpipe, "triton-repo", "--engine", str(engine_dir), "--output", str(repo)], check=True)
+    subprocess.run(
+        [*specpipe, "triton-repo", "--engine", str(engine_dir), "--output", str(repo), *repo_options], check=True
+    )
     with open(tmp / "serve.log", "w") as log:
         proc = subprocess.Popen(
             [
@@ -234,7 +236,7 @@ def _serve_cli(engine_dir: Path, tmp: Path):
             pytest.fail(f"specpipe serve did not become ready; see {tmp / 'serve.log'}")
         own_regions = f"triton_python_backend_shm_region_specpipe{proc.pid}_*"
         assert list(SHM_DIR.glob(own_regions))
-        yield f"127.0.0.1:{ports.grpc}"
+        yield ports
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     assert not list(SHM_DIR.glob(own_regions)), "shared-memory regions left behind"
@@ -242,14 +244,46 @@ def _serve_cli(engine_dir: Path, tmp: Path):
         urllib.request.urlopen(ready, timeout=1)
 
 
+METRICS_WAIT_S = 10.0
+
+
+def _metric_values(text: str, name: str) -> dict[str, float]:
+    """Prometheus lines of one metric: {labels: value}."""
+    return {
+        line[len(name) : line.rindex(" ")]: float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name + "{")
+    }
+
+
 def test_verifier_reports_no_mismatch_medusa_through_the_cli_server(medusa_engine, tiny_llama_dir, tmp_path):
-    for grpc_url in _serve_cli(medusa_engine, tmp_path):
+    """Served by `specpipe serve` with the full tree every step (the adaptive controller would soon stop
+    drafting with random heads): exact, drafting unless a request opts out, and the speculative metrics
+    (tokens a step, per-depth acceptance, tiers run) on the metrics port."""
+    for ports in _serve_cli(medusa_engine, tmp_path, "--speculation", "full"):
+        grpc_url = f"127.0.0.1:{ports.grpc}"
         results = verify(grpc_url, tiny_llama_dir, list(PROMPTS[:2]), MAX_TOKENS)
         assert [r.match for r in results] == [True, True]
         reply = generate(grpc_url, PROMPTS[1], Sampling(max_tokens=MAX_TOKENS), stream=True)
         assert reply.total_draft_tokens > 0  # the heads drafted; random heads are rarely right
         opted_out = generate(grpc_url, PROMPTS[1], Sampling(max_tokens=MAX_TOKENS, speculative=False), stream=True)
         assert opted_out.total_draft_tokens == 0 and opted_out.text == reply.text
+
+        deadline = time.monotonic() + METRICS_WAIT_S  # the model copies the tier counts once a second
+        while True:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{ports.metrics}/metrics", timeout=10).read().decode()
+            if _metric_values(text, "specpipe_tier_steps_total") or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        requests = sum(_metric_values(text, "specpipe_requests_total").values())
+        observed = sum(_metric_values(text, "specpipe_request_tokens_per_step_count").values())
+        assert requests == observed >= 4  # one observation a request
+        drafted_depth1 = _metric_values(text, "specpipe_depth_drafted_steps_total")
+        assert any('depth="1"' in labels and value > 0 for labels, value in drafted_depth1.items())
+        tiers = _metric_values(text, "specpipe_tier_steps_total")
+        assert any('tier="plain"' in labels for labels in tiers)  # the opted-out request's steps
+        assert any('tier="plain"' not in labels and value > 0 for labels, value in tiers.items())
+        assert _metric_values(text, "specpipe_current_tier_nodes")
 
 
 @pytest.mark.slow

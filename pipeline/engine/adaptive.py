@@ -52,6 +52,7 @@ class TierController:
     steps: int = 0
     last_run: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, tier) -> step it last ran
     chosen: dict[int, int] = field(default_factory=dict)  # tier index -> steps it ran (observability)
+    current: int = 0  # the tier of the last step
 
     def __post_init__(self) -> None:
         self.accepted = [0.0] + [None] * (len(self.tiers) - 1)
@@ -120,6 +121,7 @@ class TierController:
     def observe(self, bucket: int, index: int, seconds: float, accepted: list[int]) -> None:
         """A step of tier `index` took `seconds` and its drafting rows accepted `accepted` tokens."""
         self.chosen[index] = self.chosen.get(index, 0) + 1
+        self.current = index
         costs = self.cost.get(bucket)
         if costs is not None:
             costs[index] += self.config.cost_weight * (seconds - costs[index])

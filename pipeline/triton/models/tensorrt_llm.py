@@ -71,6 +71,104 @@ COUNTERS = (
     ("drafted", "specpipe_draft_tokens_total", "Draft tokens proposed to the target model"),
     ("accepted", "specpipe_accepted_draft_tokens_total", "Draft tokens the target model accepted"),
 )
+# Buckets of the per-request tokens-a-step histogram (1: nothing accepted; a 63-node tree reaches about 5).
+TOKENS_PER_STEP_BUCKETS = [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0]
+METRICS_POLL_S = 1.0  # how often the speculative steps' tier counts are copied to the metrics
+
+
+class SpecMetrics:
+    """The engine's acceptance on the metrics port, next to Triton's nv_* metrics. Per finished request:
+    the counters above, its tokens a step (histogram) and per depth the steps that drafted / accepted it.
+    Every METRICS_POLL_S: steps run per tier and the current tier's nodes (batched speculative engines)."""
+
+    def __init__(self, labels, controller):
+        self.labels = labels
+        self.controller = controller
+        self.families = {}
+        self.metrics = {}
+        for key, name, description in COUNTERS:
+            self.metrics[key] = self._metric(name, description, "COUNTER")
+        self.tokens_per_step = self._metric(
+            "specpipe_request_tokens_per_step",
+            "Tokens a request emitted per target pass (accepted drafts + 1), one observation per request",
+            "HISTOGRAM",
+            buckets=TOKENS_PER_STEP_BUCKETS,
+        )
+        self.tier_steps_seen = {}
+
+    def _metric(self, name, description, kind, labels=None, **kwargs):
+        with _SEND_LOCK:  # metric updates go through the responses' shared-memory channel
+            family = self.families.get(name)
+            if family is None:
+                family = pb_utils.MetricFamily(
+                    name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind)
+                )
+                self.families[name] = family
+            return family.Metric(labels={**self.labels, **(labels or {})}, **kwargs)
+
+    def _labelled(self, key, name, description, kind, labels):
+        metric = self.metrics.get(key)
+        if metric is None:
+            metric = self.metrics[key] = self._metric(name, description, kind, labels)
+        return metric
+
+    def request_done(self, result):
+        stats = result.stats
+        counts = {
+            "requests": 1,
+            "generated": len(result.token_ids),
+            "steps": stats.steps,
+            "drafted": stats.draft_tokens,
+            "accepted": stats.accepted_tokens,
+        }
+        per_depth = []
+        for depth, (drafted, accepted) in enumerate(
+            zip(stats.drafted_per_depth, stats.accepted_per_depth + [0] * len(stats.drafted_per_depth)), 1
+        ):
+            per_depth.append((self._depth_metric("drafted", depth), drafted))
+            per_depth.append((self._depth_metric("accepted", depth), accepted))
+        with _SEND_LOCK:
+            for key, value in counts.items():
+                self.metrics[key].increment(value)
+            for metric, value in per_depth:
+                metric.increment(value)
+            if stats.steps:
+                self.tokens_per_step.observe(stats.acceptance_length)
+
+    def _depth_metric(self, what, depth):
+        return self._labelled(
+            (what, depth),
+            f"specpipe_depth_{what}_steps_total",
+            f"Request steps whose draft reached this depth ({what}: and had it accepted)",
+            "COUNTER",
+            {"depth": str(depth)},
+        )
+
+    def poll(self, stopping):
+        """Copy the controller's per-tier step counts and current tier until `stopping` is set."""
+        tiers = self.controller.tiers
+        current = self._metric(
+            "specpipe_current_tier_nodes", "Nodes a request's tree had in the last speculative step (1: plain)", "GAUGE"
+        )
+        while not stopping.wait(METRICS_POLL_S):
+            chosen = dict(self.controller.chosen)
+            updates = []
+            for index, steps in chosen.items():
+                new = steps - self.tier_steps_seen.get(index, 0)
+                if new:
+                    metric = self._labelled(
+                        ("tier", index),
+                        "specpipe_tier_steps_total",
+                        "Speculative steps run in each tier",
+                        "COUNTER",
+                        {"tier": tiers[index].name},
+                    )
+                    updates.append((metric, new))
+                    self.tier_steps_seen[index] = steps
+            with _SEND_LOCK:
+                for metric, value in updates:
+                    metric.increment(value)
+                current.set(tiers[self.controller.current].num_nodes)
 
 
 def _input(request, name):
@@ -132,12 +230,10 @@ class TritonPythonModel:
         self.stop_events = {}  # request id -> event a stop request sets; guarded by workers_lock
         self.vocab_size = self.engine.target.cfg.vocab_size
         labels = {"model": args["model_name"], "spec_mode": self.engine.spec.mode}
-        self.families = []
-        self.counters = {}
-        for key, name, description in COUNTERS:
-            family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.COUNTER)
-            self.families.append(family)
-            self.counters[key] = family.Metric(labels=labels)
+        controller = self.engine.scheduler.controller  # None: no speculative steps
+        self.metrics = SpecMetrics(labels, controller)
+        if controller is not None:
+            threading.Thread(target=self.metrics.poll, args=(self.stopping,), daemon=True).start()
 
     def execute(self, requests):
         for request in requests:
@@ -295,7 +391,7 @@ class TritonPythonModel:
                         del self.stop_events[request_id]
         result = chunk.result
         last_token_ns = time.time_ns()
-        self._count(result)
+        self.metrics.request_done(result)
         if streaming:
             ids = pending
         else:
@@ -330,15 +426,3 @@ class TritonPythonModel:
             pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32).reshape(1, 1, -1)),
             pb_utils.Tensor("sequence_length", np.array([[len(ids)]], dtype=np.int32)),
         ]
-
-    def _count(self, result):
-        stats = result.stats
-        for key, value in (
-            ("requests", 1),
-            ("generated", len(result.token_ids)),
-            ("steps", stats.steps),
-            ("drafted", stats.draft_tokens),
-            ("accepted", stats.accepted_tokens),
-        ):
-            with _SEND_LOCK:  # metric updates go through the same shared-memory channel
-                self.counters[key].increment(value)
