@@ -36,7 +36,8 @@ def front(tmp_path_factory: pytest.TempPathFactory):
     engine = convert_and_build(
         make_tiny_model(root / "hf"), root / "build", speculative="ngram", ngram_k=4, max_input_len=48, max_seq_len=1024
     )
-    repo = write_repository(engine, root / "repo")
+    # Drafting every step: the adaptive controller may stop drafting a random model's n-grams.
+    repo = write_repository(engine, root / "repo", serving={"speculation": "full"})
     tokenizer_dir = engine / "tokenizer"
     with TritonServer(repo, log=open(root / "triton.log", "w")) as triton:
         port = free_port()
