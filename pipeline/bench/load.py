@@ -34,6 +34,7 @@ from pipeline.bench.prompts import load_prompts
 from pipeline.bench.speed import SEED, SHAPES, _IdsOnly, device_tag, environment, random_model, save_json
 from pipeline.engine.adaptive import TierController
 from pipeline.engine.config import EngineLimits, SpecConfig
+from pipeline.engine.cpu_threads import on_own_thread
 from pipeline.engine.model import Transformer
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
@@ -242,7 +243,9 @@ def bytes_floor(engine: Engine, prompts: list[list[int]], args: argparse.Namespa
 
 
 def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
-    serving = SchedulerConfig(max_batch_size=args.max_batch_size, batched=not args.single_stream)
+    serving = SchedulerConfig(
+        max_batch_size=args.max_batch_size, batched=not args.single_stream, speculation=args.speculation
+    )
     if args.shape:
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
         model = random_model(SHAPES[args.shape], torch.device(args.device), dtype)
@@ -254,6 +257,8 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
         engine.warm_up(tuple(1.0 if t else 0.0 for t in args.temperatures))
         return engine, f"{args.shape}-random", None
     engine = Engine.from_dir(args.engine, device=args.device, serving=serving)
+    if engine.scheduler.controller is not None:  # every bucket's tier costs now, not inside a measured level
+        on_own_thread(engine.scheduler.calibrate)  # a thread that ends: no second CPU thread pool
     return engine, args.engine.name, engine.tokenizer
 
 
@@ -283,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--single-stream", action="store_true", help="a plain engine off the batches (one request at a time)"
     )
+    p.add_argument("--speculation", default="adaptive", help="speculative engines' tiers: adaptive, off, full, TIER")
     p.add_argument("--triton", action="store_true", help="also through the bundled tritonserver (gRPC streaming)")
     p.add_argument("--output", type=Path, default=Path("bench"))
     args = p.parse_args(argv)

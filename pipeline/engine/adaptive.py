@@ -29,6 +29,9 @@ class AdaptiveConfig:
     # tier's name: always that tier.
     policy: str = "adaptive"
     acceptance_weight: float = 0.05  # weight of a step's acceptance in the running means
+    # A tier's first rows are averaged with its estimate from the per-depth acceptance counted as this many
+    # rows, so that one unlucky step does not rule the tier out for good.
+    prior_rows: int = 8
     cost_weight: float = 0.1  # weight of a step's measured time in the cost table
     prior_acceptance: float = 0.6  # per-depth acceptance assumed before any step has run
     explore_every: int = 64  # steps between re-runs of a tier that is not the best
@@ -52,6 +55,7 @@ class TierController:
     steps: int = 0
     last_run: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, tier) -> step it last ran
     chosen: dict[int, int] = field(default_factory=dict)  # tier index -> steps it ran (observability)
+    rows_seen: dict[int, int] = field(default_factory=dict)  # tier index -> drafting rows it has run
     current: int = 0  # the tier of the last step
 
     def __post_init__(self) -> None:
@@ -85,8 +89,10 @@ class TierController:
     def expected(self, index: int) -> float:
         """Accepted tokens a drafting row is expected to gain from tier `index`."""
         seen = self.accepted[index]
-        if seen is not None:
-            return seen
+        return self.from_depths(index) if seen is None else seen
+
+    def from_depths(self, index: int) -> float:
+        """Tier `index`'s expectation from the per-depth acceptance (a chain's at the tier's depth)."""
         total, reach = 0.0, 1.0
         for d in range(self.tiers[index].depth):
             reach *= self.depth_acceptance[d]
@@ -127,14 +133,15 @@ class TierController:
             costs[index] += self.config.cost_weight * (seconds - costs[index])
         if not accepted or index == 0:
             return
-        w = self.config.acceptance_weight
+        rows = self.rows_seen[index] = self.rows_seen.get(index, 0) + len(accepted)
+        w = max(self.config.acceptance_weight, len(accepted) / (self.config.prior_rows + rows))
         mean = sum(accepted) / len(accepted)
-        seen = self.accepted[index]
-        self.accepted[index] = mean if seen is None else seen + w * (mean - seen)
+        seen = self.expected(index)
+        self.accepted[index] = seen + w * (mean - seen)
         tier = self.tiers[index]
         if tier.name.startswith("chain"):  # a chain's per-depth acceptance is its top-1 path's
             for d in range(tier.depth):
                 reached = [n for n in accepted if n >= d]
                 if reached:
                     rate = sum(1 for n in reached if n > d) / len(reached)
-                    self.depth_acceptance[d] += w * (rate - self.depth_acceptance[d])
+                    self.depth_acceptance[d] += self.config.acceptance_weight * (rate - self.depth_acceptance[d])

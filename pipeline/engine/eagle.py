@@ -414,7 +414,7 @@ class EagleRows:
         pending = self.num_pending[rows.state]
         start = (rows.lengths - pending).clamp(min=0)  # pairs cached before the pending ones (padding rows: 0)
         positions = start[:, None] + self.run_ids[None, :]
-        attn_len = rows.table.shape[1] * self.pool.block_size
+        attn_len = rows.attn_len
         hidden = self._forward(
             self.pending_tokens[rows.state],
             self.pending_features[rows.state],

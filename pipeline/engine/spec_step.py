@@ -114,6 +114,7 @@ class Drafting:
     table: torch.Tensor  # [B, blocks]
     state: torch.Tensor  # [B] each row's proposer-state row
     drafts: torch.Tensor  # [B, 1 + k]: DRAFT_COUNT (draft nodes the row may accept), then host draft tokens
+    attn_len: int  # sequence indices a row's reads may cover: the whole table when captured
 
 
 @dataclass
@@ -221,14 +222,18 @@ class SpecStep(BatchStep):
         tier = self.tiers[tier_index]
         ints, floats, drafts = ints.to(self.device), floats.to(self.device), drafts.to(self.device)
         lengths, table = ints[:, POSITION], ints[:, TABLE:]
-        rows = Drafting(ints[:, TOKEN], lengths, table, ints[:, STATE], drafts)
+        # Eager steps (CPU) read only as far as the longest row's tree; captured ones read the whole table.
+        longest = None if self.capture else int(lengths.max())
+        table_len = table.shape[1] * self.pool.block_size
+        draft_len = table_len if longest is None else min(table_len, longest + self.max_nodes)
+        rows = Drafting(ints[:, TOKEN], lengths, table, ints[:, STATE], drafts, draft_len)
         tokens = self.proposer.draft(rows, tier)  # [B, T]
         t = tier.num_nodes
         node_ids = torch.arange(t, device=self.device)
         positions = lengths[:, None] + tier.tree.depths[None, :]
         seq = lengths[:, None] + node_ids[None, :]
         region = lengths[:, None, None] + tier.paths[None]  # [B, T, depth + 1]
-        attn_len = self.max_seq_len if self.capture else int(lengths.max()) + t
+        attn_len = self.max_seq_len if longest is None else longest + t
         count = (tier.tree.depths + 1)[None, :].expand(tokens.shape[0], -1)
         hidden, captured = self._verify(tokens, positions, self.pool.slots(table, seq), table, region, count, attn_len)
         valid = node_ids[None, :] <= drafts[:, DRAFT_COUNT, None]
