@@ -1,8 +1,11 @@
 """Which tier each speculative step runs: the one expected to emit the most tokens per second.
 
 For a step of B drafting rows in batch bucket b, tier t is worth (B + sum of the rows' expected accepted
-tokens under t) / cost[b][t]. The cost table holds each (bucket, tier)'s step time, measured when the
-bucket is first used (the graphs are captured then anyway) and kept current from the steps that run.
+tokens under t) / cost[b][t]. A bucket's cost is its plain step's time, kept current from every plain step,
+times each tier's ratio to it: measured when the bucket is first used (the graphs are captured then
+anyway) and kept current from the steps that run. Whatever moves every step's time (longer contexts, a
+busy host, fewer rows than the bucket on an eager device) moves the plain time, which plain steps refresh
+all the time, so a tier that has not run lately is not judged on a stale absolute time.
 Expected acceptance comes from each tier's running mean of accepted tokens per drafting row; a tier not
 run yet is estimated from the running per-depth acceptance (P(depth d accepted | depth d - 1 was)),
 the chain's expectation at its depth. Every tier within reach is re-run now and then so that its
@@ -49,7 +52,8 @@ class AdaptiveConfig:
 class TierController:
     tiers: list[Tier]
     config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
-    cost: dict[int, list[float]] = field(default_factory=dict)  # bucket -> seconds a step, per tier
+    plain_cost: dict[int, float] = field(default_factory=dict)  # bucket -> seconds a plain step
+    ratio: dict[int, list[float]] = field(default_factory=dict)  # bucket -> each tier's cost / plain's
     accepted: list[float | None] = field(default_factory=list)  # per tier: mean accepted tokens a drafting row
     depth_acceptance: list[float] = field(default_factory=list)  # P(depth d accepted | d - 1 was), d = 1..
     steps: int = 0
@@ -71,7 +75,7 @@ class TierController:
         return [t.name for t in self.tiers]
 
     def calibrated(self, bucket: int) -> bool:
-        return bucket in self.cost
+        return bucket in self.ratio
 
     def calibrate(self, bucket: int, run: Callable[[int], None]) -> None:
         """Time each tier on a bucket of padding rows (run(tier) runs one step and waits for it)."""
@@ -84,7 +88,12 @@ class TierController:
                 run(index)
                 times.append(time.perf_counter() - start)
             costs.append(sorted(times)[len(times) // 2])
-        self.cost[bucket] = costs
+        self.plain_cost[bucket] = costs[0]
+        self.ratio[bucket] = [c / costs[0] for c in costs]
+
+    def costs(self, bucket: int) -> list[float]:
+        """Seconds a step of each tier in `bucket` is expected to take now."""
+        return [self.plain_cost[bucket] * r for r in self.ratio[bucket]]
 
     def expected(self, index: int) -> float:
         """Accepted tokens a drafting row is expected to gain from tier `index`."""
@@ -109,7 +118,7 @@ class TierController:
             return len(self.tiers) - 1
         if policy != "adaptive":
             return self.names.index(policy)
-        costs = self.cost[bucket]
+        costs = self.costs(bucket)
         speed = [(rows + drafting * self.expected(i)) / costs[i] for i in range(len(self.tiers))]
         best = max(range(len(speed)), key=speed.__getitem__)
         for i in range(1, len(speed)):  # re-run a close tier whose estimate has not been refreshed lately
@@ -128,9 +137,13 @@ class TierController:
         """A step of tier `index` took `seconds` and its drafting rows accepted `accepted` tokens."""
         self.chosen[index] = self.chosen.get(index, 0) + 1
         self.current = index
-        costs = self.cost.get(bucket)
-        if costs is not None:
-            costs[index] += self.config.cost_weight * (seconds - costs[index])
+        if bucket in self.ratio:
+            w, plain = self.config.cost_weight, self.plain_cost[bucket]
+            if index == 0:
+                self.plain_cost[bucket] = plain + w * (seconds - plain)
+            else:
+                ratio = self.ratio[bucket]
+                ratio[index] += w * (seconds / plain - ratio[index])
         if not accepted or index == 0:
             return
         rows = self.rows_seen[index] = self.rows_seen.get(index, 0) + len(accepted)
