@@ -66,16 +66,16 @@ build-engines: setup
 	  EAGLE_BUILD_FLAGS="$(EAGLE_BUILD_FLAGS)" EAGLE3_BUILD_FLAGS="$(EAGLE3_BUILD_FLAGS)" \
 	  bash build/build_engines.sh
 
-# make compare [COMPARE_ENGINE=engines/smollm2-ngram] [COMPARE_ARGS="--num-prompts 8 --max-tokens 128"]
+# make compare [COMPARE_ENGINE=engines/smollm2-eagle] [COMPARE_ARGS="--num-prompts 8 --max-tokens 128"]
 # Our engine (Triton + OpenAI front) and vLLM (own venv, installed when missing), one after the other,
 # measured by the same client; writes reports/compare-<date>/.
-COMPARE_ENGINE ?= $(ENGINES)/smollm2-ngram
-# 128 new tokens keeps one run near 20 minutes on 2 shared cores; the CLI default is 256.
-COMPARE_ARGS ?= --max-tokens 128
+COMPARE_ENGINE ?= $(ENGINES)/smollm2-eagle
+# 16 prompts of 128 new tokens keep one run near 15 minutes on 2 shared cores; the CLI default is 256.
+COMPARE_ARGS ?= --systems ours,vllm --num-prompts 16 --max-tokens 128
 .PHONY: compare
 compare: setup
 	bash build/install_vllm.sh
-	test -f $(COMPARE_ENGINE)/config.json || $(MAKE) build-engines TARGET=smollm2 DRAFT=ngram
+	test -f $(COMPARE_ENGINE)/config.json || $(MAKE) build-engines TARGET=smollm2
 	$(SPECPIPE) compare --engine $(COMPARE_ENGINE) $(COMPARE_ARGS)
 
 # --- Serving (Triton) -------------------------------------------------------------------------

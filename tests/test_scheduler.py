@@ -14,7 +14,15 @@ from conftest import convert_and_build
 
 from pipeline.engine.kv_cache import CacheBudget
 from pipeline.engine.runner import Engine
-from pipeline.engine.sampling import EngineBusy, RequestError, SamplingParams, sample_rows, target_probs
+from pipeline.engine.sampling import (
+    UNIFORM_BITS,
+    EngineBusy,
+    RequestError,
+    SamplingParams,
+    sample_rows,
+    target_probs,
+    unit_interval,
+)
 from pipeline.engine.scheduler import SchedulerConfig
 from pipeline.errors import UserError
 
@@ -165,6 +173,15 @@ def test_a_bad_request_is_refused_and_the_batch_around_it_is_unaffected(engine):
     thread.join()
     assert together == alone
     assert len(errors) == 3 and all(("temperature" in e or "seed" in e) for e in errors)
+
+
+def test_the_sampler_uniforms_are_never_0_or_1():
+    """The hash's smallest and largest values map strictly inside (0, 1) in float32: a uniform of 1 made an
+    infinite Gumbel draw, and a NaN (always the argmax) on a token that top-k had masked."""
+    extremes = unit_interval(torch.tensor([0, 1, (1 << UNIFORM_BITS) - 2, (1 << UNIFORM_BITS) - 1]))
+    assert extremes.dtype == torch.float32
+    assert bool(((extremes > 0) & (extremes < 1)).all()), extremes.tolist()
+    assert bool(torch.isfinite(-torch.log(-torch.log(extremes))).all())
 
 
 def test_the_device_sampler_draws_from_the_filtered_distribution():

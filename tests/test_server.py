@@ -183,6 +183,13 @@ def test_many_streams_batch_and_stay_exact(server, engine):
         assert replies[i].text == direct(engine, prompt, n).text, jobs[i]
 
 
+def test_top_k_1_is_greedy_at_any_temperature(server, engine):
+    """Clients (the OpenAI front among them) send greedy as temperature 1 with top_k 1: the same tokens."""
+    for prompt in PROMPTS:
+        reply = generate(server.grpc_url, prompt, Sampling(max_tokens=MAX_TOKENS, temperature=1.0, top_k=1))
+        assert reply.text == direct(engine, prompt).text, prompt
+
+
 def test_acceptance_counters_on_the_metrics_port(server):
     generate(server.grpc_url, PROMPTS[0], Sampling(max_tokens=MAX_TOKENS))
     text = urllib.request.urlopen(server.metrics_url).read().decode()

@@ -149,7 +149,7 @@ def run_ours(
     cfg: CompareConfig, prompts: list[str], references: list[str], tokenize: Callable, logs: Path
 ) -> dict[str, Any]:
     t0 = time.monotonic()
-    server = OurServer(cfg.engine, cfg.cache_dir / "compare-triton-repo", cfg.our_port, logs / "ours.log")
+    server = OurServer(cfg.engine, cfg.cache_dir / "compare-triton-repo", cfg.our_port, logs / "ours.log", SERVED_NAME)
     with server:
         ready = time.monotonic() - t0
         runs = measure_server(OURS, server.base_url, prompts, references, cfg, tokenize, None)

@@ -26,6 +26,7 @@ class OurServer:
     repo_dir: Path
     openai_port: int
     log_path: Path
+    served_name: str
     startup_timeout_s: float = 600.0
     proc: subprocess.Popen | None = field(default=None, init=False)
     ports: Ports = field(default_factory=free_ports)
@@ -49,6 +50,8 @@ class OurServer:
             str(self.repo_dir),
             "--openai-port",
             str(self.openai_port),
+            "--served-model-name",
+            self.served_name,
             "--http-port",
             str(self.ports.http),
             "--grpc-port",

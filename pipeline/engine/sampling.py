@@ -23,7 +23,10 @@ ARGMAX_SLICES = 256
 HASH_MULTIPLIER = 0x45D9F3B
 MASK32 = 0xFFFFFFFF
 SEED_SALT = 0x9E3779B9  # separates a seed's high word from its low word before they are combined
-UNIFORM_BITS = 24  # a float32 mantissa's worth of the hash: uniforms (i + 0.5) / 2^24, never 0 or 1
+# Bits of the hash a uniform takes: (i + 0.5) / 2^23 is exact in float32 for every i < 2^23, so a uniform
+# is never 0 or 1. (With 24 bits the largest i + 0.5 rounds up to 2^24: a uniform of 1, an infinite Gumbel
+# draw, and NaN where top-k/top-p had masked that token, which argmax then picked.)
+UNIFORM_BITS = 23
 SEED_LIMIT = 1 << 63
 
 
@@ -116,7 +119,11 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.
     """[B] seeds (int64, >= 0) and [B] positions -> [B, vocab] float32 uniforms in (0, 1)."""
     key = _mix32(_mix32(seeds & MASK32) ^ _mix32(((seeds >> 32) ^ SEED_SALT) & MASK32) ^ (positions & MASK32))
     ids = torch.arange(vocab, device=seeds.device)
-    bits = _mix32(_mix32(key[:, None] ^ ids[None, :])) >> (32 - UNIFORM_BITS)
+    return unit_interval(_mix32(_mix32(key[:, None] ^ ids[None, :])) >> (32 - UNIFORM_BITS))
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """UNIFORM_BITS-bit integers -> float32 in (0, 1), both ends excluded."""
     return (bits.float() + 0.5) / float(1 << UNIFORM_BITS)
 
 

@@ -62,6 +62,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--grpc-port", type=int, default=defaults.grpc)
     serve.add_argument("--metrics-port", type=int, default=defaults.metrics)
     serve.add_argument("--openai-port", type=int, help="also serve the OpenAI-compatible API on this port")
+    serve.add_argument(
+        "--served-model-name",
+        default=ENSEMBLE,
+        help=f"the model name the OpenAI API answers to (default {ENSEMBLE})",
+    )
     serve.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     serve.add_argument(
         "--max-restarts",
@@ -142,7 +147,9 @@ def run_serve(args: argparse.Namespace) -> int:
             if openai_serve is not None:
                 print(f"OpenAI API on http://{LOCALHOST}:{args.openai_port}/v1", file=sys.stderr, flush=True)
                 threading.Thread(target=_interrupt_on_give_up, args=(server,), daemon=True).start()
-                openai_serve(server.grpc_url, LOCALHOST, args.openai_port, ENSEMBLE, repo_tokenizer_dir(repo))
+                openai_serve(
+                    server.grpc_url, LOCALHOST, args.openai_port, args.served_model_name, repo_tokenizer_dir(repo)
+                )
             else:
                 code = server.wait()
                 if code and not server.failure:
