@@ -5,6 +5,7 @@ One server per engine for the whole module (module-scoped fixtures); tiny random
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -37,6 +38,8 @@ from pipeline.triton.server import READY_TIMEOUT_S, SHM_DIR, TritonServer, free_
 
 MAX_INPUT_LEN, MAX_SEQ_LEN = 48, 160
 MAX_TOKENS = 12
+METRICS_WAIT_S = 10.0
+STOP_TIMEOUT_S = 60.0  # `specpipe serve` stops tritonserver and its stubs on SIGTERM within this
 PROMPTS = ("The quick brown fox", "Once upon a time there was", "def add(a, b):", "Medusa heads and EAGLE drafts")
 LIMITS = {"max_input_len": MAX_INPUT_LEN, "max_seq_len": MAX_SEQ_LEN, "max_batch_size": 4}
 
@@ -56,7 +59,9 @@ def medusa_engine(tiny_llama_dir, tmp_path_factory) -> Path:
     )
 
 
+@contextlib.contextmanager
 def _serve(engine_dir: Path, tmp: Path):
+    """tritonserver on a repository for the engine; stopped when the block ends, a failing one included."""
     repo = write_repository(engine_dir, tmp / "repo")
     with open(tmp / "tritonserver.log", "w") as log, TritonServer(repo, free_ports(), log=log) as server:
         yield server
@@ -65,7 +70,8 @@ def _serve(engine_dir: Path, tmp: Path):
 
 @pytest.fixture(scope="module")
 def server(plain_engine, tmp_path_factory):
-    yield from _serve(plain_engine, tmp_path_factory.mktemp("serve_plain"))
+    with _serve(plain_engine, tmp_path_factory.mktemp("serve_plain")) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +212,10 @@ def test_verifier_reports_no_mismatch_plain(server, tiny_llama_dir):
     assert all(r.acceptance_length == 1.0 for r in results)
 
 
+@contextlib.contextmanager
 def _serve_cli(engine_dir: Path, tmp: Path, *repo_options: str):
-    """`specpipe triton-repo` + `specpipe serve` as a user runs them; stopped with SIGTERM, checked clean."""
+    """`specpipe triton-repo` + `specpipe serve` as a user runs them; stopped with SIGTERM when the block ends
+    (a failing one included, so no server outlives its test), checked clean after a passing one."""
     repo, ports = tmp / "repo", free_ports()
     specpipe = [sys.executable, "-m", "pipeline"]
     subprocess.run(
@@ -243,15 +251,19 @@ def _serve_cli(engine_dir: Path, tmp: Path, *repo_options: str):
             pytest.fail(f"specpipe serve did not become ready; see {tmp / 'serve.log'}")
         own_regions = f"triton_python_backend_shm_region_specpipe{proc.pid}_*"
         assert list(SHM_DIR.glob(own_regions))
-        yield ports
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        try:
+            yield ports
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
+        assert code == 0
     assert not list(SHM_DIR.glob(own_regions)), "shared-memory regions left behind"
     with pytest.raises(OSError):
         urllib.request.urlopen(ready, timeout=1)
-
-
-METRICS_WAIT_S = 10.0
 
 
 def _metric_values(text: str, name: str) -> dict[str, float]:
@@ -267,7 +279,7 @@ def test_verifier_reports_no_mismatch_medusa_through_the_cli_server(medusa_engin
     """Served by `specpipe serve` with the full tree every step (the adaptive controller would soon stop
     drafting with random heads): exact, drafting unless a request opts out, and the speculative metrics
     (tokens a step, per-depth acceptance, tiers run) on the metrics port."""
-    for ports in _serve_cli(medusa_engine, tmp_path, "--speculation", "full"):
+    with _serve_cli(medusa_engine, tmp_path, "--speculation", "full") as ports:
         grpc_url = f"127.0.0.1:{ports.grpc}"
         results = verify(grpc_url, tiny_llama_dir, list(PROMPTS[:2]), MAX_TOKENS)
         assert [r.match for r in results] == [True, True]
@@ -299,7 +311,7 @@ def test_verifier_reports_no_mismatch_medusa_through_the_cli_server(medusa_engin
 
 @pytest.mark.slow
 def test_verifier_smollm2(smollm2_engine_dir, smollm2_source, tmp_path):
-    for server in _serve(smollm2_engine_dir, tmp_path):
+    with _serve(smollm2_engine_dir, tmp_path) as server:
         results = verify(server.grpc_url, smollm2_source, ["What is the capital of France?"], 24)
         assert results[0].match, results[0]
 
@@ -311,7 +323,7 @@ def test_bls_draft_model_loop_is_lossless(tiny_llama_dir, tmp_path):
     draft = make_tiny_model(tmp_path / "draft", seed=5, num_hidden_layers=1)
     engine_dir = convert_and_build(tiny_llama_dir, tmp_path / "build", draft_model=draft, max_draft_len=3, **LIMITS)
     plain = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "plain", **LIMITS))
-    for server in _serve(engine_dir, tmp_path):
+    with _serve(engine_dir, tmp_path) as server:
         for prompt, n in ((PROMPTS[0], MAX_TOKENS), (PROMPTS[2], 21)):
             expected = direct(plain, prompt, n).text
             for stream in (False, True):
