@@ -52,7 +52,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or top_k 1 at any temperature (clients send greedy that way, since a temperature of
+        0 divides by zero in some backends): the argmax, exact and without the sampler's vocabulary sort."""
+        return self.temperature == 0.0 or self.top_k == 1
 
     def check(self) -> None:
         if self.max_tokens <= 0:

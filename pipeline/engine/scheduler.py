@@ -155,7 +155,7 @@ class Scheduler:
         if self.step is not None:
             seed = params.seed if params.seed is not None else random.randrange(SEED_LIMIT)
             ints[TOP_K], ints[SEED] = params.top_k, seed
-            floats[TEMPERATURE], floats[TOP_P] = params.temperature, params.top_p
+            floats[TEMPERATURE], floats[TOP_P] = 0.0 if params.greedy else params.temperature, params.top_p
             headroom = self.spec.max_nodes if self.spec is not None else 0  # a tree past the text
             request.worst_blocks = self.batch.pool.blocks_for(len(prompt_ids) + params.max_tokens + headroom)
             if self.spec is not None:

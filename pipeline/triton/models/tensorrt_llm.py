@@ -330,15 +330,10 @@ class TritonPythonModel:
                 f"end_id {end_id} is outside the vocabulary [0, {self.vocab_size}); send a token id, or -1 for none"
             )
         seed = _scalar(request, "seed", None)
-        top_k = int(_scalar(request, "runtime_top_k", 0))
-        # top_k 1 is greedy at any temperature (clients send greedy that way, since a temperature of 0
-        # divides by zero in some backends): the engine's greedy path is exact and skips the vocabulary sort.
-        temperature = float(_scalar(request, "temperature", 0.0))
-        temperature = 0.0 if top_k == 1 and temperature > 0 else temperature
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=temperature,
-            top_k=top_k,
+            temperature=float(_scalar(request, "temperature", 0.0)),
+            top_k=int(_scalar(request, "runtime_top_k", 0)),
             top_p=float(_scalar(request, "runtime_top_p", 1.0)),
             seed=None if seed is None else int(seed),
             end_id=end_id,
