@@ -113,7 +113,8 @@ def test_a_tier_switch_in_the_middle_of_a_request_stays_exact(built, plain):
     controller = engine.scheduler.controller
     assert controller is not None
     ids, params = plain.tokenizer(PROMPTS[1]).input_ids, SamplingParams(max_tokens=40, end_id=-1)
-    policies = iter(["tree16", "chain1", "off", "chain4", "tree8", "plain", "tree64"] * 20)
+    # Runs of plain steps are queued ahead of the host's read; drafting steps after them start from the text.
+    policies = iter(["tree16", "chain1", "off", "chain4", "tree8", "plain", "plain", "off", "tree64"] * 20)
     out: list[int] = []
     for chunk in engine.stream(ids, params):  # one chunk a step: switch before the next step
         out += chunk.token_ids
@@ -135,6 +136,33 @@ def test_an_opted_out_request_is_served_plainly_inside_a_speculative_batch(built
         assert result.token_ids == plain.generate(ids, replace(params, speculative=True)).token_ids
     assert results[1].stats.draft_tokens == 0 and results[1].stats.accepted_tokens == 0
     assert results[0].stats.draft_tokens > 0
+
+
+def test_plain_steps_in_a_row_keep_the_eagle_draft_in_sync(built, plain):
+    """A plain step after plain steps catches the draft up on one pair a row (settled): the draft's cache
+    then holds what the full catch-up of every step writes (its pairs at every position of the text)."""
+    ids, params = plain.tokenizer(PROMPTS[2]).input_ids, SamplingParams(max_tokens=24, end_id=-1)
+    caches, flags = [], []
+    for settle in (True, False):
+        engine = Engine.from_dir(built["eagle"], serving=SchedulerConfig(speculation="off"))
+        spec = engine.scheduler.spec
+        assert spec is not None
+        decode = spec.decode
+
+        def recorded(ints, floats, settled=False, settle=settle, decode=decode):
+            flags.append(settled)
+            return decode(ints, floats, settled and settle)
+
+        spec.decode = recorded
+        engine.generate(ids, params)
+        pool = spec.proposer.pool
+        positions = torch.arange(len(ids) + params.max_tokens - 2)
+        table = torch.arange(1, pool.blocks_for(len(positions)) + 1)  # a fresh pool's first request: blocks 1, 2, ..
+        slots = pool.slots(table, positions)
+        caches.append((pool.k[:, slots].clone(), pool.v[:, slots].clone()))
+        assert caches[-1][0].abs().amin(dim=-1).amin(dim=-1).gt(0).all()  # every position was written
+    assert True in flags  # the settled step ran
+    torch.testing.assert_close(caches[0], caches[1], rtol=1e-4, atol=1e-5)
 
 
 class OracleNet(torch.nn.Module):

@@ -17,6 +17,7 @@ Writes <output>/load-<label>-<device>-<date>.json and a PNG of throughput and TT
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
@@ -24,7 +25,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,10 @@ import torch
 from pipeline.bench.prompts import load_prompts
 from pipeline.bench.speed import SEED, SHAPES, _IdsOnly, device_tag, environment, random_model, save_json
 from pipeline.engine.adaptive import TierController
-from pipeline.engine.config import EngineLimits, SpecConfig
+from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig
 from pipeline.engine.cpu_threads import on_own_thread
+from pipeline.engine.kernels.routing import attach
+from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
 from pipeline.engine.model import Transformer
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
@@ -50,6 +53,9 @@ BANDWIDTH_REPEATS = 20
 PERCENTILES = (50, 99)
 # Limits of the random-weight engines (--shape): MT-bench prompts fit, with room for 256 new tokens.
 SHAPE_LIMITS = EngineLimits(max_batch_size=64, max_input_len=1024, max_seq_len=1536, max_draft_len=0)
+# The tree of a random EAGLE drafter (--shape --draft eagle): the CUDA build's EAGLE-2 tree.
+SHAPE_TREE = DynamicTreeConfig(top_k=8, depth=4, max_non_leaves_per_layer=8)
+SHAPE_TREE_NODES = 63
 
 
 @dataclass(frozen=True)
@@ -242,6 +248,19 @@ def bytes_floor(engine: Engine, prompts: list[list[int]], args: argparse.Namespa
     return lambda c: (weights + c * context * kv_per_token) / best * 1e3
 
 
+def parse_tuning(text: str) -> dict[str, Any]:
+    """KEY=VALUE[,KEY=VALUE] -> KernelTuning fields, each value of its field's type (bools as 0/1)."""
+    fields = {f.name: type(getattr(DEFAULT_TUNING, f.name)) for f in dataclasses.fields(KernelTuning)}
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields or fields[key] not in (bool, int, float, str) or not value:
+            raise argparse.ArgumentTypeError(f"{item!r}: give KEY=VALUE with KEY a scalar KernelTuning field")
+        kind = fields[key]
+        out[key] = bool(int(value)) if kind is bool else kind(value)
+    return out
+
+
 def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
     serving = SchedulerConfig(
         max_batch_size=args.max_batch_size, batched=not args.single_stream, speculation=args.speculation
@@ -253,13 +272,36 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
         limits = EngineLimits(
             args.max_batch_size or SHAPE_LIMITS.max_batch_size, SHAPE_LIMITS.max_input_len, SHAPE_LIMITS.max_seq_len, 0
         )
-        engine = Engine(model, _IdsOnly(), limits, SpecConfig(), serving=serving)
+        if args.draft == "eagle":  # a random EAGLE drafter: nothing is accepted, the floor of speculation
+            from pipeline.bench.probes.eagle_step import random_drafter
+            from pipeline.engine.eagle import EagleProposer
+            from pipeline.engine.loader import batched_proposer
+
+            spec = SpecConfig(mode="eagle", max_draft_len=SHAPE_TREE_NODES, dynamic_tree=SHAPE_TREE)
+            limits = replace(limits, max_draft_len=SHAPE_TREE_NODES)
+            net = random_drafter(SHAPES[args.shape], model.lm_head.weight.device, dtype, "eagle", None)
+            slots = limits.max_seq_len + SHAPE_TREE_NODES + 1
+            proposer = EagleProposer(net, slots, None, SHAPE_TREE, SHAPE_TREE_NODES)
+            rows = batched_proposer(spec, proposer, model.lm_head.weight.device, dtype)
+            engine = Engine(model, _IdsOnly(), limits, spec, proposer, serving=serving, rows=rows)
+        else:
+            engine = Engine(model, _IdsOnly(), limits, SpecConfig(), serving=serving)
+        retune(engine, args.tuning)
         engine.warm_up(tuple(1.0 if t else 0.0 for t in args.temperatures))
-        return engine, f"{args.shape}-random", None
+        return engine, f"{args.shape}-random" + (f"-{args.draft}" if args.draft else ""), None
     engine = Engine.from_dir(args.engine, device=args.device, serving=serving)
+    retune(engine, args.tuning)
     if engine.scheduler.controller is not None:  # every bucket's tier costs now, not inside a measured level
         on_own_thread(engine.scheduler.calibrate)  # a thread that ends: no second CPU thread pool
+    else:  # CUDA: every batch bucket's graphs now, not inside a measured level
+        engine.warm_up(tuple(1.0 if t else 0.0 for t in args.temperatures))
     return engine, args.engine.name, engine.tokenizer
+
+
+def retune(engine: Engine, tuning: dict[str, Any] | None) -> None:
+    """The target's kernels re-routed with these tuning fields (CUDA), before any graph is captured."""
+    if tuning and engine.device.type == "cuda":
+        attach(engine.target, tuning=dataclasses.replace(DEFAULT_TUNING, **tuning))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--speculation", default="adaptive", help="speculative engines' tiers: adaptive, off, full, TIER")
     p.add_argument("--triton", action="store_true", help="also through the bundled tritonserver (gRPC streaming)")
+    p.add_argument(
+        "--tuning", type=parse_tuning, default=None, help="CUDA: the target's kernel tuning fields, e.g. paged_layer=0"
+    )
+    p.add_argument("--draft", choices=("eagle",), default=None, help="with --shape: a random EAGLE drafter")
+    p.add_argument("--label", default=None, help="the results' name (default: the engine's or shape's)")
     p.add_argument("--output", type=Path, default=Path("bench"))
     args = p.parse_args(argv)
     if (args.engine is None) == (args.shape is None):
@@ -298,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--engine {args.engine}: no config.json; build one with `make build-engines`")
     levels = args.concurrency or (CUDA_LEVELS if args.device.startswith("cuda") else CPU_LEVELS)
     engine, label, tokenizer = load_engine(args)
+    label = args.label or label
     if tokenizer is None or args.prompt_ids is not None:
         if args.prompt_ids is None:
             raise SystemExit("--shape needs --prompt-ids FILE (written by --engine DIR --write-prompt-ids FILE)")

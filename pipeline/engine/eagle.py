@@ -352,7 +352,8 @@ class EagleRows:
     that the requests' block tables index like the target's (sequence index = pair position). A request's
     state row holds the pairs it has not cached yet (the last step's accepted path: tokens and the
     target's features); every step, the plain tier included, first catches up on them, so the draft never
-    falls behind the text whatever tiers run. Tree node i (i >= 1) drafts at sequence index length + i - 1."""
+    falls behind the text whatever tiers run: over max depth + 1 pairs a row, or one in a settled step (no
+    row's last step accepted drafts). Tree node i (i >= 1) drafts at sequence index length + i - 1."""
 
     host_drafts = 0
 
@@ -410,21 +411,22 @@ class EagleRows:
             self.num_pending.index_fill_(0, chunk.state, 1)
 
     def draft(self, rows: Drafting, tier: Tier) -> torch.Tensor:
-        b, run = rows.roots.shape[0], self.run_ids.shape[0]
+        run = 1 if rows.settled else self.run_ids.shape[0]
+        b, ids = rows.roots.shape[0], self.run_ids[:run]
         pending = self.num_pending[rows.state]
         start = (rows.lengths - pending).clamp(min=0)  # pairs cached before the pending ones (padding rows: 0)
-        positions = start[:, None] + self.run_ids[None, :]
+        positions = start[:, None] + ids[None, :]
         attn_len = rows.attn_len
         hidden = self._forward(
-            self.pending_tokens[rows.state],
-            self.pending_features[rows.state],
+            self.pending_tokens[rows.state, :run],
+            self.pending_features[rows.state, :run],
             positions,
             self.pool.slots(rows.table, positions),
             rows.table,
             attn_len,
             start[:, None].expand(b, run),
             positions[:, None, :].expand(b, run, run),
-            self.run_ids[None, :].expand(b, run) + 1,
+            ids[None, :].expand(b, run) + 1,
         )
         if tier.depth == 0:  # a plain step: caught up, nothing to draft
             return rows.roots[:, None]

@@ -318,8 +318,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    # kernels.routing.fused_layer when kernels.routing.attach routed this layer's steps to the kernels
+    # kernels.routing.fused_layer / paged_layer when kernels.routing.attach routed this layer's steps (one
+    # sequence's, a batch's over the block pool) to the kernels
     fused: Callable[[DecoderLayer, torch.Tensor, ForwardContext, int], torch.Tensor] | None = None
+    paged: Callable[[DecoderLayer, torch.Tensor, ForwardContext, int], torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig, input_norm: bool = True):
         super().__init__()
@@ -330,8 +332,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
-        if self.fused is not None and ctx.paged is None:
-            return self.fused(self, x, ctx, layer)
+        routed = self.fused if ctx.paged is None else self.paged
+        if routed is not None:
+            return routed(self, x, ctx, layer)
+        return self.unfused(x, ctx, layer)
+
+    def unfused(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         x = x + self.attention(self.input_layernorm(x), ctx, layer)
         return x + self.mlp(self.post_layernorm(x))
 

@@ -206,7 +206,10 @@ class Engine:
         if self.batched:  # every batch bucket's decode graph, greedy and sampled (by default)
             for rows in self.scheduler.batch.buckets:
                 for temperature in temperatures:
-                    params = SamplingParams(max_tokens=WARMUP_NEW_TOKENS, temperature=temperature, seed=0, end_id=-1)
+                    # Prompts are prefilled one an iteration: each request outlives the prefills of the
+                    # others, so that `rows` rows decode together at the end.
+                    tokens = rows + WARMUP_NEW_TOKENS
+                    params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=0, end_id=-1)
                     streams = [self.stream([0], params) for _ in range(rows)]
                     for chunks in streams:
                         for _ in chunks:

@@ -9,9 +9,10 @@ new tokens reach the host in one copy. A consumer that stops reading (closes the
 request at the next iteration.
 
 A speculative engine with a batched proposer runs a SpecStep instead: every running request drafts, is
-verified and accepts in one step of the tier the controller chooses (adaptive.py), read at once (each
-row's accepted count sets where its next step starts). Other speculative engines (the draft model) serve
-the queue one request at a time through the engine's own decode loop (`serial`).
+verified and accepts in one step of the tier the controller chooses (adaptive.py). A drafting step is read
+at once (each row's accepted count sets where its next step starts); a plain-tier step emits one token a
+row, so it is queued ahead like a plain engine's step and costs what one does. Other speculative engines
+(the draft model) serve the queue one request at a time through the engine's own decode loop (`serial`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class Request:
     drafts: np.ndarray | None = None  # a speculative step's draft input for this row (spec_step.DRAFT_COUNT ...)
     accepted_mean: float | None = None  # running mean of draft tokens accepted a drafting step
     paused_until: int = 0  # the controller step before which this request drafts nothing (low acceptance)
+    pairs: int = 1  # accepted tokens its proposer has yet to take in (speculative steps): 1 after a plain step
 
     @property
     def prefilled(self) -> bool:
@@ -141,6 +143,7 @@ class Scheduler:
             TierController(self.spec.tiers, AdaptiveConfig(policy=config.speculation)) if self.spec else None
         )
         self.free_states = list(range(max_batch_size, 0, -1))  # proposer-state rows; 0 is the padding rows'
+        self.last_read: float | None = None  # when the last decode step was read, unless a prefill came after
 
     @property
     def batch(self) -> BatchStep:
@@ -240,6 +243,7 @@ class Scheduler:
         if prefilling is not None:
             self._read_inflight()  # the prefill reads its first token: settle the step queued before it
             self._prefill_chunk(prefilling)
+            self.last_read = None  # the next step's time would include the prefill's
         decoding = [
             r
             for r in self.running
@@ -249,9 +253,7 @@ class Scheduler:
             and len(r.out) + r.pending < r.params.max_tokens
             and r is not prefilling
         ]
-        if self.spec is not None:
-            if decoding:
-                self._speculate(decoding)
+        if self.spec is not None and decoding and self._speculate(decoding):
             return
         launched = self._launch(decoding) if decoding else None
         self._read_inflight()  # the step before: read while the one just launched runs
@@ -271,8 +273,9 @@ class Scheduler:
         """Queue one decode step for `rows`. A row still waiting for the step in flight takes that step's
         token on the device, so the step is queued before the host has read the one before it."""
         previous = self.inflight
+        reach = self.spec.max_nodes if self.spec is not None else 1  # a proposer's catch-up writes past the root
         for r in rows:
-            self.batch.pool.grow(r.table, r.cached + 1)
+            self.batch.pool.grow(r.table, r.cached + reach)
             r.ints[TABLE : TABLE + len(r.table)] = r.table
             r.ints[POSITION] = r.cached
             if r.pending:
@@ -280,10 +283,15 @@ class Scheduler:
                 r.ints[CARRY] = previous.rows.index(r)
             else:
                 r.ints[TOKEN], r.ints[CARRY] = r.out[-1], NOT_CARRIED
-        tokens = self.batch.decode(np.stack([r.ints for r in rows]), np.stack([r.floats for r in rows]))
+        ints, floats = np.stack([r.ints for r in rows]), np.stack([r.floats for r in rows])
+        if self.spec is not None:
+            tokens = self.spec.decode(ints, floats, settled=all(r.pairs == 1 for r in rows))
+        else:
+            tokens = self.batch.decode(ints, floats)
         for r in rows:
             r.cached += 1
             r.pending += 1
+            r.pairs = 1
         return _Inflight(rows, self.batch.readback.start(tokens))
 
     def _read_inflight(self) -> None:
@@ -292,6 +300,11 @@ class Scheduler:
         if inflight is None:
             return
         tokens = inflight.host.read()
+        if self.spec is not None and self.controller is not None:  # a plain-tier step: its cost, read to read
+            now = time.perf_counter()
+            if self.last_read is not None:
+                self.controller.observe(self.spec.bucket(len(inflight.rows)), 0, now - self.last_read, [])
+            self.last_read = now
         for r in inflight.rows:
             r.pending -= 1
         live = [(r, t) for r, t in zip(inflight.rows, tokens) if not r.done]
@@ -299,15 +312,27 @@ class Scheduler:
             r.stats.record(0, 0, 0)
         self._emit([r for r, _ in live], [[t] for _, t in live])
 
-    def _speculate(self, rows: list[Request]) -> None:
-        """One speculative step for `rows`, in the tier the controller picks, read back at once."""
+    def _speculate(self, rows: list[Request]) -> bool:
+        """One drafting step for `rows`, in the tier the controller picks, read back at once; False when it
+        picks the plain tier, which the caller queues as a plain step."""
         spec, controller = self.spec, self.controller
         assert spec is not None and controller is not None
         bucket = spec.bucket(len(rows))
         if not controller.calibrated(bucket):
-            controller.calibrate(bucket, lambda tier: self._padding_step(bucket, tier))
+            self._read_inflight()  # calibration's padding steps overwrite the carried tokens
+            self._calibrate(bucket)
+            self.last_read = None
         drafting = [self._drafts(r, controller.steps) for r in rows]
         index = controller.choose(bucket, len(rows), sum(drafting))
+        if index == 0:
+            return False
+        if self.inflight is not None:  # drafts start from the text: settle the plain step queued before
+            self._read_inflight()
+            live = [(r, on) for r, on in zip(rows, drafting) if not r.done]
+            if not live:
+                return True
+            rows, drafting = [r for r, _ in live], [on for _, on in live]
+            bucket = spec.bucket(len(rows))
         tier = spec.tiers[index]
         for r, on in zip(rows, drafting):
             assert r.drafts is not None
@@ -327,11 +352,14 @@ class Scheduler:
             index,
         )
         host = spec.readback.start(out).read()
-        seconds = time.perf_counter() - start
+        now = time.perf_counter()
+        seconds = now - (start if self.last_read is None else self.last_read)  # read to read, like plain steps
+        self.last_read = now
         accepted, tokens = [], []
         for r, on, row in zip(rows, drafting, host):
             n = row[-1]
             r.cached += n + 1
+            r.pairs = n + 1
             r.stats.record(tier.num_nodes - 1 if on else 0, tier.depth if on else 0, n)
             tokens.append(row[: n + 1])
             if on and index:
@@ -339,6 +367,7 @@ class Scheduler:
                 self._track(r, n, controller)
         controller.observe(bucket, index, seconds, accepted)
         self._emit(rows, tokens)
+        return True
 
     def _drafts(self, r: Request, step: int) -> bool:
         """Whether a request drafts this step: it did not opt out, and its acceptance is not paused."""
@@ -359,9 +388,16 @@ class Scheduler:
         with torch.inference_mode():
             for bucket in self.spec.buckets:
                 if not self.controller.calibrated(bucket):
-                    self.controller.calibrate(bucket, functools.partial(self._padding_step, bucket))
+                    self._calibrate(bucket)
 
-    def _padding_step(self, bucket: int, tier: int) -> None:
+    def _calibrate(self, bucket: int) -> None:
+        """Time every tier in `bucket` (the plain tier's settled step: the one that runs in a row of plain
+        steps); the plain tier's step right after a drafting step is captured too, not timed."""
+        assert self.controller is not None
+        self._padding_step(bucket, 0, settled=False)
+        self.controller.calibrate(bucket, functools.partial(self._padding_step, bucket))
+
+    def _padding_step(self, bucket: int, tier: int, settled: bool | None = None) -> None:
         """A step of `bucket` padding rows (the scratch block, state row 0), waited for: calibration."""
         spec = self.spec
         assert spec is not None
@@ -371,6 +407,7 @@ class Scheduler:
             np.stack([floats] * bucket),
             np.stack([spec.new_drafts()] * bucket),
             tier,
+            tier == 0 if settled is None else settled,
         )
         spec.readback.start(out).read()
 

@@ -15,6 +15,9 @@ Rows whose drafts are switched off (a request that opted out, a host draft short
 only their root valid and get a plain step inside the same pass. The step's result stays on the device
 ([B, depth + 2]: the accepted tokens, the bonus token, then the count); the scheduler reads it in one copy.
 On CUDA each (batch bucket, tier, sampling mode) replays a graph captured on first use.
+A plain-tier step (`decode`) emits one token a row whatever happens, so, like a plain engine's step, it is
+queued before the host has read the step before: a row's root may come from that step's output on the
+device (its CARRY column), and the proposer's state was already updated on the device.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pipeline.engine.graphs import CapturedStep, Compiled
 from pipeline.engine.kv_cache import BlockPool, PagedView
 from pipeline.engine.model import Transformer, paged_context
 from pipeline.engine.sampling import argmax_rows
-from pipeline.engine.step import POSITION, SEED, STATE, TABLE, TOKEN, TOP_K, BatchStep, step_mode
+from pipeline.engine.step import CARRY, POSITION, SEED, STATE, TABLE, TOKEN, TOP_K, BatchStep, step_mode
 from pipeline.engine.tree import Choices, TreeBuffers, build_tree, chain_buffers
 
 # Columns of a row's draft input: how many of the tier's draft nodes the row may accept (0: a plain step
@@ -115,6 +118,7 @@ class Drafting:
     state: torch.Tensor  # [B] each row's proposer-state row
     drafts: torch.Tensor  # [B, 1 + k]: DRAFT_COUNT (draft nodes the row may accept), then host draft tokens
     attn_len: int  # sequence indices a row's reads may cover: the whole table when captured
+    settled: bool = False  # every row has at most one accepted pair its proposer has not taken in yet
 
 
 @dataclass
@@ -176,7 +180,7 @@ class SpecStep(BatchStep):
         self.capture_layers = proposer.capture_layers
         self.draft_width = 1 + proposer.host_drafts
         self.spec_buffers: dict[int, torch.Tensor] = {}
-        self.spec_graphs: dict[tuple[int, int, str], CapturedStep] = {}
+        self.spec_graphs: dict[tuple[int, int, str, bool], CapturedStep] = {}
         # The plain tier runs at every load: compiled (CUDA), it costs what a plain engine's step does, so
         # that falling back to plain steps never costs more than plain decoding. The tree tiers' graphs are
         # captured eagerly (one compilation per bucket and tier would take minutes at load).
@@ -193,15 +197,26 @@ class SpecStep(BatchStep):
     def new_drafts(self) -> np.ndarray:
         return np.zeros(self.draft_width, dtype=np.int64)
 
-    def speculate(self, ints: np.ndarray, floats: np.ndarray, drafts: np.ndarray, tier: int) -> torch.Tensor:
-        """One speculative step of tier `tier` for B rows (ints: TOKEN = root, POSITION = cached length,
-        the table covering length + the tier's nodes) -> [B, depth + 2] on the device."""
+    def decode(self, ints: np.ndarray, floats: np.ndarray, settled: bool = False) -> torch.Tensor:
+        """A plain-tier step (no drafts): [B] next tokens on the device, as BatchStep.decode returns them.
+        settled: no row's last step accepted drafts, so a proposer catches up on one pair a row."""
+        drafts = np.zeros((ints.shape[0], self.draft_width), dtype=np.int64)
+        return self.speculate(ints, floats, drafts, 0, settled)[:, 0]
+
+    def speculate(
+        self, ints: np.ndarray, floats: np.ndarray, drafts: np.ndarray, tier: int, settled: bool = False
+    ) -> torch.Tensor:
+        """One speculative step of tier `tier` for B rows (ints: TOKEN = root unless CARRY names a row of
+        the step before, POSITION = cached length, the table covering length + the tier's nodes)
+        -> [B, depth + 2] on the device."""
         rows = ints.shape[0]
         mode = step_mode(floats, ints)
         if not self.capture:
-            return self._speculate(
-                torch.from_numpy(ints), torch.from_numpy(floats), torch.from_numpy(drafts), tier, mode
+            out = self._speculate(
+                torch.from_numpy(ints), torch.from_numpy(floats), torch.from_numpy(drafts), tier, mode, settled
             )
+            self._keep_roots(out)
+            return out
         bucket = next(b for b in self.buckets if b >= rows)
         x = self.buffers[bucket]
         x.fill(ints, floats)
@@ -210,23 +225,38 @@ class SpecStep(BatchStep):
         d = self.spec_buffers[bucket]
         d.zero_()
         d[:rows].copy_(torch.from_numpy(drafts), non_blocking=False)
-        key = (bucket, tier, mode)
+        key = (bucket, tier, mode, settled)
         if key not in self.spec_graphs:
             run = self.compiled_plain if tier == 0 else self._speculate
-            self.spec_graphs[key] = CapturedStep(lambda: run(x.ints, x.floats, d, tier, mode), self.pool_handle)
-        return self.spec_graphs[key]()[:rows]
+            self.spec_graphs[key] = CapturedStep(
+                lambda: run(x.ints, x.floats, d, tier, mode, settled), self.pool_handle
+            )
+        out = self.spec_graphs[key]()
+        self._keep_roots(out)  # outside the graph, as BatchStep.decode keeps its tokens
+        return out[:rows]
+
+    def _keep_roots(self, out: torch.Tensor) -> None:
+        """Each row's next root (the token after its accepted ones), for a next step queued before the read."""
+        self.last[: out.shape[0]].copy_(out[:, :-1].gather(1, out[:, -1:])[:, 0])
 
     def _speculate(
-        self, ints: torch.Tensor, floats: torch.Tensor, drafts: torch.Tensor, tier_index: int, mode: str
+        self,
+        ints: torch.Tensor,
+        floats: torch.Tensor,
+        drafts: torch.Tensor,
+        tier_index: int,
+        mode: str,
+        settled: bool = False,
     ) -> torch.Tensor:
         tier = self.tiers[tier_index]
         ints, floats, drafts = ints.to(self.device), floats.to(self.device), drafts.to(self.device)
-        lengths, table = ints[:, POSITION], ints[:, TABLE:]
+        lengths, table, carry = ints[:, POSITION], ints[:, TABLE:], ints[:, CARRY]
+        roots = torch.where(carry >= 0, self.last[carry.clamp(min=0)], ints[:, TOKEN])
         # Eager steps (CPU) read only as far as the longest row's tree; captured ones read the whole table.
         longest = None if self.capture else int(lengths.max())
         table_len = table.shape[1] * self.pool.block_size
         draft_len = table_len if longest is None else min(table_len, longest + self.max_nodes)
-        rows = Drafting(ints[:, TOKEN], lengths, table, ints[:, STATE], drafts, draft_len)
+        rows = Drafting(roots, lengths, table, ints[:, STATE], drafts, draft_len, settled)
         tokens = self.proposer.draft(rows, tier)  # [B, T]
         t = tier.num_nodes
         node_ids = torch.arange(t, device=self.device)

@@ -76,7 +76,7 @@ def module_path(model: Transformer) -> None:
     """Keep a rank's layers on the module path: the fused layer kernels (kernels.routing) chain a layer's
     products and residual adds in one call, leaving no place for the all-reduce."""
     for layer in _layers(model):
-        layer.fused = None
+        layer.fused = layer.paged = None
 
 
 def _layers(model: Transformer) -> list[DecoderLayer]:

@@ -23,8 +23,16 @@ from pipeline.bench.speed import _IdsOnly
 from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig
 from pipeline.engine.eagle import EagleNet, EagleProposer
 from pipeline.engine.graphs import CapturedStep
-from pipeline.engine.kernels.routing import TORCH_TOPK, DrafterKernels, attach, several_token_layer, several_token_mlp
+from pipeline.engine.kernels.routing import (
+    TORCH_TOPK,
+    DrafterKernels,
+    attach,
+    paged_layer,
+    several_token_layer,
+    several_token_mlp,
+)
 from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
+from pipeline.engine.kv_cache import BlockPool, PagedView
 from pipeline.engine.medusa import MedusaProposer, medusa_heads
 from pipeline.engine.model import (
     DecoderLayer,
@@ -36,6 +44,7 @@ from pipeline.engine.model import (
     Transformer,
     full_slot_context,
     make_context,
+    paged_context,
 )
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
@@ -467,7 +476,51 @@ def check_topk(device: str) -> None:
             assert torch.equal(getattr(trees["torch"], field), getattr(trees["fused"], field)), (trial, field)
 
 
-CHECKS = (check_gemv, check_rows, check_linear, check_attention, check_model, check_eagle, check_topk)
+def check_paged(device: str) -> None:
+    """A small layer's batched step over the block pool through paged_layer (the QKV product writing the
+    pool's slots, the paged attention kernel, rows_gemm) against the unfused layer: decode rows, then every
+    row's tree, rows of different lengths whose blocks are not in order."""
+    tuning, half = engine_tuning(device), tile_dtype(device)
+    model = Transformer(CONFIG).to(half)
+    for p in model.parameters():
+        p.normal_(0, 0.3)
+    layer, block = decoder_layer(model, 1), 8
+    pool = BlockPool(CONFIG.num_layers, 24, block, CONFIG.num_kv_heads, CONFIG.head_size, half, device)
+    pool.k.normal_()
+    pool.v.normal_()
+    lengths = torch.tensor([37, 5, 20])
+    table = torch.tensor([[9, 3, 12, 1, 20, 7], [2, 16, 0, 0, 0, 0], [5, 11, 18, 4, 0, 0]])
+    tree = build_tree([[0], [1], [0, 0]])
+    for t, depths, paths in (
+        (1, torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)),
+        (4, tree.depths, torch.tensor([[0, 0, 0], [0, 1, 1], [0, 2, 2], [0, 1, 3]])),
+    ):
+        seq = lengths[:, None] + torch.arange(t)[None]
+        region = lengths[:, None, None] + paths[None]
+        count = (depths + 1)[None].expand(3, t)
+        view = PagedView(
+            pool,
+            lengths[:, None] + depths[None],
+            pool.slots(table, seq),
+            table,
+            lengths + t,
+            48,
+            lengths[:, None].expand(3, t),
+            region,
+            count,
+        )
+        ctx = paged_context(view, model.rotary)
+        x = torch.randn(3, t, CONFIG.hidden_size, dtype=half)
+        got = paged_layer(layer, x, ctx, 1, tuning)
+        slots = view.slots.reshape(-1)
+        written = pool.k[1, slots].clone(), pool.v[1, slots].clone()
+        pool.k[1, slots] = pool.v[1, slots] = 0
+        close(got, layer.unfused(x, ctx, 1), 3e-2)
+        close(written[0], pool.k[1, slots], 3e-2)
+        close(written[1], pool.v[1, slots], 3e-2)
+
+
+CHECKS = (check_gemv, check_rows, check_linear, check_attention, check_model, check_paged, check_eagle, check_topk)
 
 
 def check(device: str) -> None:

@@ -6,7 +6,8 @@ Levels (`SPECPIPE_KERNELS`, read by attach):
 - fused (the default): a decoder layer's single token becomes four GEMVs and an attention of two kernels,
   the RMS norms inside the GEMVs that read them, rotary and the cache write inside the QKV GEMV, the residual
   adds inside the GEMVs that produce them. Its steps of up to 64 tokens (trees, batched decode rows) run the
-  MLP as two rows_gemm kernels; small layers (SmolLM2's) take a tree step whole through the kernels. More
+  MLP as two rows_gemm kernels; small layers (SmolLM2's) take a tree step whole through the kernels, and so
+  a batched step over the block pool of up to 64 tokens (decode rows, every row's tree: paged_layer). More
   tokens (prefills) keep cuBLAS and SDPA. Layers the kernels do not cover (biases, other activations, head
   sizes that are not a power of two) keep the gemv level.
 - off: cuBLAS and SDPA everywhere.
@@ -182,6 +183,8 @@ def attach(
     fused = [m for m in layers if kernels == "fused" and not invariant and fusable(m)]
     for layer in layers:
         layer.fused = _tuned(fused_layer, tuning) if layer in fused else None
+        small = layer.mlp.fc_gate.weight.numel() <= tuning.rows_small_weights
+        layer.paged = _tuned(paged_layer, tuning) if layer in fused and tuning.paged_layer and small else None
     return {
         "gemv_layers": len(linears) if gemv else 0,
         "fused_layers": len(fused),
@@ -316,14 +319,35 @@ def several_token_layer(
     layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int, tuning: KernelTuning = DEFAULT_TUNING
 ) -> torch.Tensor:
     """DecoderLayer.forward for a graph step of several tokens of one sequence (x [1, T, H], ctx with a
-    region): single_token_layer's six kernels for T rows, through rows_rope_store, slot_attention and
-    rows_gemm, the norms inside the QKV and gate/up products."""
+    region): single_token_layer's six kernels for T rows (rows_layer), the attention through slot_attention."""
     from pipeline.engine.kernels.attention import slot_attention
+
+    k, v = ctx.cache.k, ctx.cache.v
+
+    def attend(q: torch.Tensor) -> torch.Tensor:
+        return slot_attention(q, k[index, 0], v[index, 0], *ctx.visible_slots(), tuning=tuning)
+
+    return rows_layer(layer, x, ctx, index, tuning, (k, v), attend)
+
+
+def rows_layer(
+    layer: DecoderLayer,
+    x: torch.Tensor,
+    ctx: ForwardContext,
+    index: int,
+    tuning: KernelTuning,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    attend: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """A small layer's step for the tokens of x in six kernels: the QKV product with the input norm, rotary
+    and the write into `caches` (K and V as [layers, rows, slots, Hkv, D]) through rows_rope_store; the
+    attention, attend(q [tokens, H, D]) -> [tokens, H, D]; the output and MLP products through rows_gemm
+    with the post-attention norm, SiLU and the residual adds inside."""
     from pipeline.engine.kernels.rows import rows_gemm, rows_rope_store
 
     a, mlp, norm, post = layer.attention, layer.mlp, layer.input_layernorm, layer.post_layernorm
     assert isinstance(norm, RMSNorm)  # fusable(): only such layers are routed here
-    rows = x.view(-1, x.shape[-1])
+    rows = x.reshape(-1, x.shape[-1])
     q = rows_rope_store(
         rows,
         a.qkv.weight,
@@ -331,21 +355,40 @@ def several_token_layer(
         norm.eps,
         ctx.rotary.cos,
         ctx.rotary.sin,
-        ctx.positions.view(-1),
-        ctx.slots.view(-1),
-        ctx.cache.k,
-        ctx.cache.v,
+        ctx.positions.reshape(-1),
+        ctx.slots.reshape(-1),
+        *caches,
         index,
         a.num_heads,
         tuning=tuning,
     )
-    out = slot_attention(
-        q.view(-1, a.num_heads, a.head_size),
-        ctx.cache.k[index, 0],
-        ctx.cache.v[index, 0],
-        *ctx.visible_slots(),
-        tuning=tuning,
-    )
-    h = rows_gemm(out.view(rows.shape[0], -1), a.dense.weight, residual=rows, tuning=tuning)
+    out = attend(q.view(rows.shape[0], a.num_heads, a.head_size))
+    h = rows_gemm(out.reshape(rows.shape[0], -1), a.dense.weight, residual=rows, tuning=tuning)
     gated = rows_gemm(h, mlp.fc_gate.weight, gated=True, norm=post.weight, eps=post.eps, tuning=tuning)
     return rows_gemm(gated, mlp.proj.weight, residual=h, tuning=tuning).view_as(x)
+
+
+def paged_layer(
+    layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int, tuning: KernelTuning = DEFAULT_TUNING
+) -> torch.Tensor:
+    """DecoderLayer.forward for a batched step over the block pool (x [B, T, H]: one token a row, or every
+    row's tree) of a small layer: rows_layer's six kernels writing the pool's slots, the attention through
+    the paged kernel. Prefill chunks (no region), steps of more than rows_gemm_max_tokens tokens and decode
+    steps of rows outside paged_decode_rows take the library path."""
+    from pipeline.engine.paged_attention import paged_attention
+
+    paged, tokens = ctx.paged, x.shape[:-1].numel()
+    assert paged is not None
+    fewest, most = tuning.paged_decode_rows
+    decode_off = x.shape[1] == 1 and not fewest <= x.shape[0] <= most
+    if paged.region is None or tokens > tuning.rows_gemm_max_tokens or decode_off:
+        return layer.unfused(x, ctx, index)
+    assert paged.prefix is not None and paged.count is not None
+    pool, region, prefix, count = paged.pool, paged.region, paged.prefix, paged.count
+
+    def attend(q: torch.Tensor) -> torch.Tensor:
+        q = q.view(*x.shape[:-1], *q.shape[1:])
+        return paged_attention(q, pool.k[index], pool.v[index], paged.table, prefix, region, count, pool.block_size)
+
+    # The rotary kernels' cache layout, one row.
+    return rows_layer(layer, x, ctx, index, tuning, (pool.k[:, None], pool.v[:, None]), attend)
