@@ -69,7 +69,12 @@ class Tally:
 
 
 def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    """VmRSS of a process; 0 once it has exited."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return 0
+    for line in status.splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
@@ -158,8 +163,13 @@ def soak(server: TritonServer, minutes: float, concurrency: int) -> dict:
         t.start()
     rss_timeline = []  # (seconds, RSS per process) every RSS_EVERY_S: warm-up levels off, a leak keeps growing
     next_rss = start + RSS_EVERY_S
+    died_at = None  # seconds into the soak when tritonserver exited: the clients' requests then hang
     while any(t.is_alive() for t in threads):
         time.sleep(PROGRESS_EVERY_S)
+        if process.poll() is not None:
+            died_at = round(time.monotonic() - start)
+            print(f"soak {died_at:6d} s: tritonserver exited with {process.returncode}; stopping", flush=True)
+            break
         if time.monotonic() >= next_rss:
             rss_timeline.append((round(time.monotonic() - start), server_rss(process.pid)))
             next_rss += RSS_EVERY_S
@@ -169,17 +179,20 @@ def soak(server: TritonServer, minutes: float, concurrency: int) -> dict:
                 f"answered {sum(tally.answered.values())}, errors {sum(tally.errors.values())}",
                 flush=True,
             )
-    for t in threads:
-        t.join()
+    if died_at is None:
+        for t in threads:
+            t.join()
     latencies = np.array(tally.latencies_s or [0.0])
     rss_end = server_rss(process.pid)
+    with tally.lock:  # a dead server's clients are still waiting: copy what they counted so far
+        sent, answered, errors = dict(tally.sent), dict(tally.answered), dict(tally.errors)
     return {
         "minutes": minutes,
         "concurrency": concurrency,
         "seconds": time.monotonic() - start,
-        "sent": dict(tally.sent),
-        "answered": dict(tally.answered),
-        "errors": dict(tally.errors),
+        "sent": sent,
+        "answered": answered,
+        "errors": errors,
         "normal_latency_s": {f"p{p}": float(np.percentile(latencies, p)) for p in PERCENTILES},
         "rss_start_bytes": rss_start,
         "rss_end_bytes": rss_end,
@@ -190,6 +203,7 @@ def soak(server: TritonServer, minutes: float, concurrency: int) -> dict:
         ),
         "rss_timeline": [{"seconds": t, "rss_bytes": rss} for t, rss in rss_timeline],
         "server_alive": process.poll() is None,
+        "server_died_at_s": died_at,
         "stub_reloads": watchdog.reloads,
     }
 
@@ -210,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     output.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     print(f"wrote {output}", file=sys.stderr)
-    return 0
+    return 0 if report["server_died_at_s"] is None else 1
 
 
 if __name__ == "__main__":
