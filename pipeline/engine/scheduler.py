@@ -319,7 +319,7 @@ class Scheduler:
         assert spec is not None and controller is not None
         bucket = spec.bucket(len(rows))
         if not controller.calibrated(bucket):
-            self._read_inflight()  # calibration's padding steps overwrite the carried tokens
+            self._read_inflight()  # calibration's padding steps reuse the buckets' buffers: settle first
             self._calibrate(bucket)
             self.last_read = None
         drafting = [self._drafts(r, controller.steps) for r in rows]

@@ -198,25 +198,26 @@ class SpecStep(BatchStep):
         return np.zeros(self.draft_width, dtype=np.int64)
 
     def decode(self, ints: np.ndarray, floats: np.ndarray, settled: bool = False) -> torch.Tensor:
-        """A plain-tier step (no drafts): [B] next tokens on the device, as BatchStep.decode returns them.
+        """A plain-tier step (no drafts): [B] next tokens on the device, as BatchStep.decode returns them,
+        kept for a next step queued before the host reads these (its rows' CARRY).
         settled: no row's last step accepted drafts, so a proposer catches up on one pair a row."""
-        drafts = np.zeros((ints.shape[0], self.draft_width), dtype=np.int64)
-        return self.speculate(ints, floats, drafts, 0, settled)[:, 0]
+        tokens = self.speculate(ints, floats, None, 0, settled)[:, 0]
+        self.last[: tokens.shape[0]].copy_(tokens)
+        return tokens
 
     def speculate(
-        self, ints: np.ndarray, floats: np.ndarray, drafts: np.ndarray, tier: int, settled: bool = False
+        self, ints: np.ndarray, floats: np.ndarray, drafts: np.ndarray | None, tier: int, settled: bool = False
     ) -> torch.Tensor:
         """One speculative step of tier `tier` for B rows (ints: TOKEN = root unless CARRY names a row of
-        the step before, POSITION = cached length, the table covering length + the tier's nodes)
-        -> [B, depth + 2] on the device."""
+        the step before, POSITION = cached length, the table covering length + the tier's nodes; drafts
+        None: none) -> [B, depth + 2] on the device."""
         rows = ints.shape[0]
         mode = step_mode(floats, ints)
         if not self.capture:
-            out = self._speculate(
-                torch.from_numpy(ints), torch.from_numpy(floats), torch.from_numpy(drafts), tier, mode, settled
+            host = np.zeros((rows, self.draft_width), dtype=np.int64) if drafts is None else drafts
+            return self._speculate(
+                torch.from_numpy(ints), torch.from_numpy(floats), torch.from_numpy(host), tier, mode, settled
             )
-            self._keep_roots(out)
-            return out
         bucket = next(b for b in self.buckets if b >= rows)
         x = self.buffers[bucket]
         x.fill(ints, floats)
@@ -224,20 +225,15 @@ class SpecStep(BatchStep):
             self.spec_buffers[bucket] = torch.zeros(bucket, self.draft_width, dtype=torch.long, device=self.device)
         d = self.spec_buffers[bucket]
         d.zero_()
-        d[:rows].copy_(torch.from_numpy(drafts), non_blocking=False)
+        if drafts is not None:  # a plain step queued ahead copies nothing from pageable host memory
+            d[:rows].copy_(torch.from_numpy(drafts), non_blocking=False)
         key = (bucket, tier, mode, settled)
         if key not in self.spec_graphs:
             run = self.compiled_plain if tier == 0 else self._speculate
             self.spec_graphs[key] = CapturedStep(
                 lambda: run(x.ints, x.floats, d, tier, mode, settled), self.pool_handle
             )
-        out = self.spec_graphs[key]()
-        self._keep_roots(out)  # outside the graph, as BatchStep.decode keeps its tokens
-        return out[:rows]
-
-    def _keep_roots(self, out: torch.Tensor) -> None:
-        """Each row's next root (the token after its accepted ones), for a next step queued before the read."""
-        self.last[: out.shape[0]].copy_(out[:, :-1].gather(1, out[:, -1:])[:, 0])
+        return self.spec_graphs[key]()[:rows]
 
     def _speculate(
         self,
