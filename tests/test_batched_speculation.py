@@ -18,12 +18,12 @@ import torch
 from conftest import convert_and_build
 
 from pipeline.convert.tiny import make_random_eagle, make_random_eagle3, make_random_medusa
-from pipeline.engine.adaptive import AdaptiveConfig
+from pipeline.engine.adaptive import AdaptiveConfig, TierController
 from pipeline.engine.kernels.routing import TORCH_TOPK
 from pipeline.engine.runner import Engine, SamplingParams
 from pipeline.engine.sampling import sample_rows
 from pipeline.engine.scheduler import SchedulerConfig
-from pipeline.engine.spec_step import Tier, accept_rows
+from pipeline.engine.spec_step import Tier, accept_rows, tier_ladder
 
 PROMPTS = [
     "def add(a, b):",
@@ -269,3 +269,33 @@ def test_sampled_output_is_plain_samplings_in_every_tier_and_batch(built, plain)
         controller.config = AdaptiveConfig(policy=policy)
         assert run_together(engine, requests) == want, policy
         assert run_together(engine, requests[:1]) == want[:1], policy
+
+
+def test_the_plain_step_after_a_drafting_step_is_charged_to_the_drafting_tier():
+    """That step runs unpipelined and catches the drafter up: counted as plain decoding's cost, it would make
+    drafting tiers look cheaper the more often they run."""
+    tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
+    controller = TierController(tiers)
+    controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0] * len(tiers)  # as calibrated: a second a step
+    for _ in range(50):
+        controller.timed_drafting(4, 1, 1.0, 1.8)
+        controller.timed_plain(4, 1.5)  # half a plain step more than a plain step in a row
+        controller.timed_plain(4, 1.0)
+    plain, chain = controller.costs(4)[:2]
+    assert plain == pytest.approx(1.0) and chain == pytest.approx(1.5, rel=0.02)
+    assert controller.realized[(4, 1)] == pytest.approx(1.8 / 1.5, rel=0.02)
+    controller.timed_drafting(4, 1, 3.0, 1.8)
+    controller.timed_drafting(4, 1, 3.0, 1.8)  # drafting after drafting: the first counts as it was
+    assert controller.costs(4)[1] == pytest.approx(1.5 + 0.1 * (3.0 - 1.5), rel=0.02)
+
+
+def test_a_tier_that_delivers_less_than_plain_steps_is_not_chosen():
+    """The estimate (acceptance over cost) says chain1 wins; what its steps delivered says it loses."""
+    tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
+    controller = TierController(tiers, AdaptiveConfig(explore_every=10**6))
+    controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 1.2] + [10.0] * (len(tiers) - 2)
+    controller.accepted[1] = 0.9  # estimate: 1.9 tokens a row in 1.2 s, against plain's 1 in 1 s
+    assert controller.choose(4, 4, 4) == 1
+    controller.timed_drafting(4, 1, 1.2, 1.9)
+    controller.timed_plain(4, 2.4)  # the plain step after it took 1.4 s more: 1.9 tokens in 2.6 s
+    assert controller.choose(4, 4, 4) == 0

@@ -13,6 +13,7 @@ import torch
 from conftest import convert_and_build
 
 from pipeline.engine.kv_cache import CacheBudget
+from pipeline.engine.request import ChunkQueue, StreamChunk
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import (
     UNIFORM_BITS,
@@ -257,3 +258,21 @@ def test_a_speculative_engine_serves_concurrent_requests_exactly(batched, tiny_l
     running.close()
     for s in queued:
         assert len(list(s)[-1].result.token_ids) == 3
+
+
+def test_chunks_a_consumer_has_not_taken_merge_in_order():
+    """A consumer behind the scheduler gets one chunk of every step's tokens since it last read; an error
+    after them still comes on its own; without merging (one request at a time) each chunk stays."""
+    q = ChunkQueue()
+    q.put(StreamChunk([1], False))
+    q.put(StreamChunk([2, 3], False))
+    q.put(StreamChunk([4], True, result=None))
+    got = q.get()
+    assert isinstance(got, StreamChunk) and got.token_ids == [1, 2, 3, 4] and got.finished
+    q.put(StreamChunk([5], False))
+    q.put(RuntimeError("step failed"))
+    assert q.get() == StreamChunk([5], False) and isinstance(q.get(), RuntimeError)
+    kept = ChunkQueue(merge=False)
+    kept.put(StreamChunk([1], False))
+    kept.put(StreamChunk([2], False))
+    assert [kept.get(), kept.get()] == [StreamChunk([1], False), StreamChunk([2], False)]

@@ -17,7 +17,6 @@ Writes <output>/load-<label>-<device>-<date>.json and a PNG of throughput and TT
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import statistics
@@ -31,17 +30,18 @@ from typing import Any
 
 import torch
 
+from pipeline.bench.probes.variants import HELP, format_variant, parse_variant
 from pipeline.bench.prompts import load_prompts
 from pipeline.bench.speed import SEED, SHAPES, _IdsOnly, device_tag, environment, random_model, save_json
 from pipeline.engine.adaptive import TierController
 from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig
 from pipeline.engine.cpu_threads import on_own_thread
 from pipeline.engine.kernels.routing import attach
-from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
+from pipeline.engine.kernels.tuning import KernelTuning
 from pipeline.engine.model import Transformer
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
-from pipeline.engine.scheduler import SchedulerConfig
+from pipeline.engine.scheduler import Scheduler, SchedulerConfig
 from pipeline.errors import UserError
 
 IGNORE_END = -1
@@ -186,28 +186,45 @@ def sweep(
     min_requests: int,
     label: str,
     controller: TierController | None = None,
+    scheduler: Scheduler | None = None,
 ) -> list[dict[str, Any]]:
     client(prompts[0], SamplingParams(max_tokens=8, end_id=IGNORE_END))  # first-use costs out of the numbers
     rows = []
     for c in levels:
         before = dict(controller.chosen) if controller is not None else {}
+        chunks, seconds = (scheduler.prefill_chunks, scheduler.prefill_seconds) if scheduler else (0, 0.0)
         row = run_level(client, prompts, c, params, min_requests)
+        if scheduler is not None:  # the share of the level's wall time its prefills held the scheduler
+            row["prefill_chunks"] = scheduler.prefill_chunks - chunks
+            row["prefill_share"] = (scheduler.prefill_seconds - seconds) / row["seconds"]
         if controller is not None:  # the tiers a speculative engine's controller chose at this level
             row["tiers"] = {
                 controller.names[i]: n - before.get(i, 0)
                 for i, n in sorted(controller.chosen.items())
                 if n > before.get(i, 0)
             }
+            row["controller"] = controller_state(controller)
         rows.append(row)
         print(
             f"{label:>24}  C={c:>3}  {row['output_tokens_per_s']:9.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:8.1f} "
             f"p99 {row['ttft_ms_p99']:8.1f} ms  ITL p50 {row['itl_ms_p50']:6.2f} p99 {row['itl_ms_p99']:6.2f} ms"
             + (f"  tokens/step {row['tokens_per_step']:.2f}" if row.get("tokens_per_step") else "")
+            + (f"  prefill {row['prefill_share']:.0%}" if "prefill_share" in row else "")
             + (f"  tiers {row['tiers']}" if row.get("tiers") else "")
             + (f"  errors {len(row['errors'])}" if row["errors"] else ""),
             flush=True,
         )
     return rows
+
+
+def controller_state(controller: TierController) -> dict[str, Any]:
+    """What the controller believes after a level: each bucket's expected step ms a tier, each tier's expected
+    accepted tokens a drafting row (for comparing its choices with what the tiers did)."""
+    return {
+        "step_ms": {b: [round(c * 1e3, 3) for c in controller.costs(b)] for b in sorted(controller.ratio)},
+        "expected_accepted": [round(controller.expected(i), 3) for i in range(len(controller.tiers))],
+        "tiers": controller.names,
+    }
 
 
 def plot(results: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
@@ -248,17 +265,11 @@ def bytes_floor(engine: Engine, prompts: list[list[int]], args: argparse.Namespa
     return lambda c: (weights + c * context * kv_per_token) / best * 1e3
 
 
-def parse_tuning(text: str) -> dict[str, Any]:
-    """KEY=VALUE[,KEY=VALUE] -> KernelTuning fields, each value of its field's type (bools as 0/1)."""
-    fields = {f.name: type(getattr(DEFAULT_TUNING, f.name)) for f in dataclasses.fields(KernelTuning)}
-    out: dict[str, Any] = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        if key not in fields or fields[key] not in (bool, int, float, str) or not value:
-            raise argparse.ArgumentTypeError(f"{item!r}: give KEY=VALUE with KEY a scalar KernelTuning field")
-        kind = fields[key]
-        out[key] = bool(int(value)) if kind is bool else kind(value)
-    return out
+def tuning_variant(text: str) -> KernelTuning:
+    try:
+        return parse_variant(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
@@ -298,10 +309,10 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
     return engine, args.engine.name, engine.tokenizer
 
 
-def retune(engine: Engine, tuning: dict[str, Any] | None) -> None:
-    """The target's kernels re-routed with these tuning fields (CUDA), before any graph is captured."""
-    if tuning and engine.device.type == "cuda":
-        attach(engine.target, tuning=dataclasses.replace(DEFAULT_TUNING, **tuning))
+def retune(engine: Engine, tuning: KernelTuning | None) -> None:
+    """The target's kernels re-routed with this tuning (CUDA), before any graph is captured."""
+    if tuning is not None and engine.device.type == "cuda":
+        attach(engine.target, tuning=tuning)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,9 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--speculation", default="adaptive", help="speculative engines' tiers: adaptive, off, full, TIER")
     p.add_argument("--triton", action="store_true", help="also through the bundled tritonserver (gRPC streaming)")
-    p.add_argument(
-        "--tuning", type=parse_tuning, default=None, help="CUDA: the target's kernel tuning fields, e.g. paged_layer=0"
-    )
+    p.add_argument("--tuning", type=tuning_variant, default=None, help=f"CUDA: the target's kernel tuning, {HELP}")
     p.add_argument("--draft", choices=("eagle",), default=None, help="with --shape: a random EAGLE drafter")
     p.add_argument("--label", default=None, help="the results' name (default: the engine's or shape's)")
     p.add_argument("--output", type=Path, default=Path("bench"))
@@ -364,7 +373,14 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, end_id=IGNORE_END)
         name = f"in-process T={temperature:g}"
         results[name] = sweep(
-            in_process_client(engine), prompts, levels, params, args.min_requests, name, engine.scheduler.controller
+            in_process_client(engine),
+            prompts,
+            levels,
+            params,
+            args.min_requests,
+            name,
+            engine.scheduler.controller,
+            engine.scheduler,
         )
     if args.triton:
         results.update(run_triton(args, prompts, levels))
@@ -388,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": args.device,
             "max_tokens": args.max_tokens,
             "capacity": engine.capacity,
+            "tuning": format_variant(args.tuning) if args.tuning is not None else "base",
             "environment": environment(torch.device(args.device)),
             "results": results,
         },

@@ -10,7 +10,11 @@ Expected acceptance comes from each tier's running mean of accepted tokens per d
 run yet is estimated from the running per-depth acceptance (P(depth d accepted | depth d - 1 was)),
 the chain's expectation at its depth. Every tier within reach is re-run now and then so that its
 estimate stays current. The plain tier (the root alone) costs one plain step and accepts nothing, so a
-tier is chosen only when it is expected to beat plain decoding.
+tier is chosen only when it is expected to beat plain decoding. The plain step right after a drafting step
+is queued behind no other and catches the drafter up on every accepted token: what it costs past a plain step
+counts as the drafting step's, not as plain decoding's. A tier that has run in a bucket is credited at
+most the tokens a row a second it delivered there (that time included), whatever the estimate says: when
+the estimates are off by more than speculation's margin, what the tiers deliver still decides.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ class TierController:
     chosen: dict[int, int] = field(default_factory=dict)  # tier index -> steps it ran (observability)
     rows_seen: dict[int, int] = field(default_factory=dict)  # tier index -> drafting rows it has run
     current: int = 0  # the tier of the last step
+    # The last drafting step's (bucket, tier, seconds, tokens a row), not counted yet.
+    held: tuple[int, int, float, float] | None = None
+    realized: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, tier) -> tokens a row a second
 
     def __post_init__(self) -> None:
         self.accepted = [0.0] + [None] * (len(self.tiers) - 1)
@@ -120,6 +127,9 @@ class TierController:
             return self.names.index(policy)
         costs = self.costs(bucket)
         speed = [(rows + drafting * self.expected(i)) / costs[i] for i in range(len(self.tiers))]
+        for i in range(1, len(speed)):  # a tier that has run here is worth at most what it delivered
+            if (bucket, i) in self.realized:
+                speed[i] = min(speed[i], rows * self.realized[(bucket, i)])
         best = max(range(len(speed)), key=speed.__getitem__)
         for i in range(1, len(speed)):  # re-run a close tier whose estimate has not been refreshed lately
             stale = self.steps - self.last_run.get((bucket, i), -self.config.explore_every)
@@ -133,17 +143,48 @@ class TierController:
         self.last_run[(bucket, best)] = self.steps
         return best
 
-    def observe(self, bucket: int, index: int, seconds: float, accepted: list[int]) -> None:
-        """A step of tier `index` took `seconds` and its drafting rows accepted `accepted` tokens."""
+    def timed_plain(self, bucket: int, seconds: float | None) -> None:
+        """A plain step of `bucket` was read `seconds` after the step before it (None: not measured). Right
+        after a drafting step, what it took past a plain step's cost is the drafting step's."""
+        held, self.held = self.held, None
+        if held is not None:
+            excess = 0.0
+            if seconds is not None and bucket in self.ratio:
+                excess = max(0.0, seconds - self.plain_cost[bucket])
+            self._drafted(*held, excess)
+        elif seconds is not None:
+            self.timed(bucket, 0, seconds)
+
+    def timed_drafting(self, bucket: int, index: int, seconds: float, tokens: float) -> None:
+        """A drafting step of tier `index` took `seconds` and emitted `tokens` tokens a row: held until the
+        step after it is read."""
+        held, self.held = self.held, (bucket, index, seconds, tokens)
+        if held is not None:  # drafting after drafting: nothing to add
+            self._drafted(*held, 0.0)
+
+    def _drafted(self, bucket: int, index: int, seconds: float, tokens: float, excess: float) -> None:
+        """A drafting step's time with `excess`: into the cost table, and its tokens a row a second into
+        the tier's record in this bucket."""
+        seconds += excess
+        self.timed(bucket, index, seconds)
+        rate, seen = tokens / seconds, self.realized.get((bucket, index))
+        self.realized[(bucket, index)] = rate if seen is None else seen + self.config.cost_weight * (rate - seen)
+
+    def timed(self, bucket: int, index: int, seconds: float) -> None:
+        """A step of tier `index` in `bucket` took `seconds`: the cost table moves toward it."""
+        if bucket not in self.ratio:
+            return
+        w, plain = self.config.cost_weight, self.plain_cost[bucket]
+        if index == 0:
+            self.plain_cost[bucket] = plain + w * (seconds - plain)
+        else:
+            ratio = self.ratio[bucket]
+            ratio[index] += w * (seconds / plain - ratio[index])
+
+    def observe(self, index: int, accepted: list[int]) -> None:
+        """A step of tier `index` ran and its drafting rows accepted `accepted` tokens."""
         self.chosen[index] = self.chosen.get(index, 0) + 1
         self.current = index
-        if bucket in self.ratio:
-            w, plain = self.config.cost_weight, self.plain_cost[bucket]
-            if index == 0:
-                self.plain_cost[bucket] = plain + w * (seconds - plain)
-            else:
-                ratio = self.ratio[bucket]
-                ratio[index] += w * (seconds / plain - ratio[index])
         if not accepted or index == 0:
             return
         rows = self.rows_seen[index] = self.rows_seen.get(index, 0) + len(accepted)

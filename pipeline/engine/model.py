@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -437,9 +437,12 @@ def paged_context(view: PagedView, rotary: Rotary) -> ForwardContext:
         visible = ids <= view.positions[:, :, None]
     else:
         assert view.prefix is not None and view.count is not None
-        used = torch.arange(view.region.shape[-1], device=ids.device) < view.count[..., None]
-        in_region = ((ids == view.region[..., None]) & used[..., None]).any(-2)
-        visible = (ids < view.prefix[..., None]) | in_region
+        # Contiguous once here, in the step's graph, rather than a copy in every layer's attention call.
+        prefix, region, count = view.prefix.contiguous(), view.region.contiguous(), view.count.contiguous()
+        view = replace(view, prefix=prefix, region=region, count=count)
+        used = torch.arange(region.shape[-1], device=ids.device) < count[..., None]
+        in_region = ((ids == region[..., None]) & used[..., None]).any(-2)
+        visible = (ids < prefix[..., None]) | in_region
     return ForwardContext(
         view.positions, view.slots, view.pool, view.attn_len, visible[:, None], False, rotary, paged=view
     )

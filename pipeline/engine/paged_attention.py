@@ -5,7 +5,7 @@ more tokens taken from anywhere in the row (`region`, sequence indices). A decod
 itself; a tree node's region is its path from the root (the ancestors' slots past the prefix), so a
 node reads exactly what the same token would read once the accepted path is compacted, in the same
 order. Program (query, kv head, split) walks the virtual sequence in blocks, taking every `splits`-th
-one, with an online softmax for the kv head's query group; a few torch ops merge the splits. The split
+one, with an online softmax for the kv head's query group; a second kernel merges the splits. The split
 count depends only on the table's width, never on the batch or the tree: a query's sums run in the same
 order alone, in a batch of 64, or as a tree node (bitwise the same output). Runs on CUDA, and on CPU
 tensors under TRITON_INTERPRET=1 (the tests).
@@ -83,6 +83,22 @@ def _paged_kernel(
     tl.store(o_ptr + out[:, None] * HEAD + dims[None, :], acc, mask=live_members[:, None])
 
 
+@triton.jit
+def _merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, splits, SPLITS: tl.constexpr, HEAD: tl.constexpr):
+    """Program (query, head): its splits' partial softmaxes into the output, in split order. A split that
+    saw no block holds m = -inf and l = 0: its weight is 0."""
+    pair = tl.program_id(0)
+    index = tl.arange(0, SPLITS)
+    used = index < splits
+    dims = tl.arange(0, HEAD)
+    m = tl.load(m_ptr + pair * splits + index, mask=used, other=float("-inf"))
+    total = tl.load(l_ptr + pair * splits + index, mask=used, other=0.0)
+    o = tl.load(o_ptr + (pair * splits + index[:, None]) * HEAD + dims[None, :], mask=used[:, None], other=0.0)
+    weight = tl.exp(m - tl.max(m, axis=0))
+    out = tl.sum(o * weight[:, None], axis=0) / tl.sum(total * weight, axis=0)
+    tl.store(out_ptr + pair * HEAD + dims, out.to(out_ptr.dtype.element_ty))
+
+
 def num_splits(max_blocks: int) -> int:
     return max(1, min(MAX_SPLITS, max_blocks))
 
@@ -130,11 +146,9 @@ def paged_attention(
         HEAD=head,
         BLOCK=block_size,
     )
-    # Splits that saw no block hold m = -inf and l = 0: their weight below is 0.
-    best = m.max(-1, keepdim=True).values
-    weight = torch.exp(m - best)
-    total = (sums * weight).sum(-1)
-    return ((o * weight[..., None]).sum(-2) / total[..., None]).to(q.dtype).view(q.shape)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _merge_kernel[(queries * heads,)](m, sums, o, out, splits, SPLITS=triton.next_power_of_2(splits), HEAD=head)
+    return out
 
 
 @paged_attention.register_fake

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 from pipeline.engine.sampling import SamplingParams
@@ -25,6 +27,32 @@ class StreamChunk:
     token_ids: list[int]  # new since the previous chunk
     finished: bool
     result: GenerationResult | None = None
+
+
+class ChunkQueue:
+    """A request's chunks on their way to its consumer; an exception ends the stream. With `merge`, chunks
+    not taken yet merge into one (their tokens in order), so a consumer behind the scheduler takes several
+    steps' tokens in one wake-up rather than a wake-up a step."""
+
+    def __init__(self, merge: bool = True) -> None:
+        self._items: deque[StreamChunk | BaseException] = deque()
+        self._ready = threading.Condition(threading.Lock())
+        self.merge = merge
+
+    def put(self, item: StreamChunk | BaseException) -> None:
+        with self._ready:
+            last = self._items[-1] if self._items else None
+            if self.merge and isinstance(item, StreamChunk) and isinstance(last, StreamChunk):
+                self._items[-1] = StreamChunk(last.token_ids + item.token_ids, item.finished, item.result)
+                return  # its consumer was woken for `last`
+            self._items.append(item)
+            self._ready.notify()
+
+    def get(self) -> StreamChunk | BaseException:
+        with self._ready:
+            while not self._items:
+                self._ready.wait()
+            return self._items.popleft()
 
 
 class StopChecker:

@@ -3,9 +3,10 @@
 Requests wait in a bounded queue (a full queue refuses at once with EngineBusy) and are admitted in
 arrival order while the block pool can hold their worst case (prompt + max_tokens), so a running
 request never runs out of blocks; blocks are taken as sequences grow and given back the moment a
-request finishes or is cancelled. Each iteration runs at most one prefill chunk (so a long prompt
-stalls the running streams by one chunk) and then one decode step for every running request, whose
-new tokens reach the host in one copy. A consumer that stops reading (closes the stream) cancels its
+request finishes or is cancelled. Each iteration queues one decode step for every running request, whose
+new tokens reach the host in one copy while the next step runs, and at most one prefill chunk behind it (so
+a long prompt stalls the running streams by one chunk). Chunks a consumer has not taken yet merge, so a
+slow consumer wakes once for several steps. A consumer that stops reading (closes the stream) cancels its
 request at the next iteration.
 
 A speculative engine with a batched proposer runs a SpecStep instead: every running request drafts, is
@@ -18,7 +19,6 @@ row, so it is queued ahead like a plain engine's step and costs what one does. O
 from __future__ import annotations
 
 import functools
-import queue
 import random
 import threading
 import time
@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from pipeline.engine.adaptive import AdaptiveConfig, TierController
-from pipeline.engine.kv_cache import CacheBudget
+from pipeline.engine.kv_cache import BlockPool, CacheBudget
 from pipeline.engine.readback import Pending
-from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
+from pipeline.engine.request import ChunkQueue, GenerationResult, StopChecker, StreamChunk
 from pipeline.engine.sampling import SEED_LIMIT, EngineBusy, SamplingParams
 from pipeline.engine.spec_step import DRAFT_COUNT, DRAFT_TOKENS, SpecStep
 from pipeline.engine.stats import SpecStats
@@ -85,12 +85,12 @@ class SchedulerConfig:
                 raise UserError(f"--{name.replace('_', '-')} {value}: must be >= 1")
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the scheduler's lists find a request by what it is
 class Request:
     prompt_ids: list[int]
     params: SamplingParams
     stop: StopChecker
-    chunks: queue.Queue  # StreamChunk, or the exception that ended it
+    chunks: ChunkQueue  # StreamChunks, or the exception that ended the request
     ints: np.ndarray  # the step's int inputs for this row (step.TOKEN ... TABLE)
     floats: np.ndarray
     table: list[int] = field(default_factory=list)  # pool blocks, in sequence order
@@ -105,6 +105,14 @@ class Request:
     accepted_mean: float | None = None  # running mean of draft tokens accepted a drafting step
     paused_until: int = 0  # the controller step before which this request drafts nothing (low acceptance)
     pairs: int = 1  # accepted tokens its proposer has yet to take in (speculative steps): 1 after a plain step
+    row: int = 0  # its row in the last decode step queued
+
+    def grow(self, pool: BlockPool, tokens: int) -> None:
+        """Blocks for `tokens` tokens, new ones written into the row's table column too."""
+        held = len(self.table)
+        pool.grow(self.table, tokens)
+        if len(self.table) > held:
+            self.ints[TABLE + held : TABLE + len(self.table)] = self.table[held:]
 
     @property
     def prefilled(self) -> bool:
@@ -143,7 +151,14 @@ class Scheduler:
             TierController(self.spec.tiers, AdaptiveConfig(policy=config.speculation)) if self.spec else None
         )
         self.free_states = list(range(max_batch_size, 0, -1))  # proposer-state rows; 0 is the padding rows'
+        # Every admitted request's step inputs, a row each (its state row): a step's rows are one fancy index.
+        if step is not None:
+            ints, floats = step.new_row()
+            self.row_ints = np.zeros((max_batch_size + 1, *ints.shape), ints.dtype)
+            self.row_floats = np.zeros((max_batch_size + 1, *floats.shape), floats.dtype)
         self.last_read: float | None = None  # when the last decode step was read, unless a prefill came after
+        # Prefill chunks run, and the seconds they held the loop (the step they settle first included).
+        self.prefill_chunks, self.prefill_seconds = 0, 0.0
 
     @property
     def batch(self) -> BatchStep:
@@ -154,7 +169,9 @@ class Scheduler:
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
         """Queue a request (validated by the engine) and stream its chunks; EngineBusy when the queue is full."""
         ints, floats = self.step.new_row() if self.step is not None else (np.zeros(0, np.int64), np.zeros(0))
-        request = Request(list(prompt_ids), params, self.stop_checker(params), queue.Queue(), ints, floats)
+        # One request at a time (serial), each chunk is the engine loop's group of steps: kept as it is.
+        chunks = ChunkQueue(merge=self.serial is None)
+        request = Request(list(prompt_ids), params, self.stop_checker(params), chunks, ints, floats)
         if self.step is not None:
             seed = params.seed if params.seed is not None else random.randrange(SEED_LIMIT)
             ints[TOP_K], ints[SEED] = params.top_k, seed
@@ -235,35 +252,37 @@ class Scheduler:
             if len(self.batch.pool.free) - reserved < head.worst_blocks:
                 break
             reserved += head.worst_blocks
-            head.ints[STATE] = self.free_states.pop()
+            state = self.free_states.pop()
+            self.row_ints[state], self.row_floats[state] = head.ints, head.floats
+            head.ints, head.floats = self.row_ints[state], self.row_floats[state]  # views from now on
+            head.ints[STATE] = state
             self.running.append(self.waiting.popleft())
 
     def _iterate(self) -> None:
         prefilling = next((r for r in self.running if not r.prefilled), None)
-        if prefilling is not None:
-            self._read_inflight()  # the prefill reads its first token: settle the step queued before it
-            self._prefill_chunk(prefilling)
-            self.last_read = None  # the next step's time would include the prefill's
         decoding = [
             r
             for r in self.running
-            if r.prefilled
-            and (r.out or r.pending)
-            and not r.done
-            and len(r.out) + r.pending < r.params.max_tokens
-            and r is not prefilling
+            if r.prefilled and (r.out or r.pending) and not r.done and len(r.out) + r.pending < r.params.max_tokens
         ]
-        if self.spec is not None and decoding and self._speculate(decoding):
-            return
-        launched = self._launch(decoding) if decoding else None
+        launched = None
+        if decoding and not (self.spec is not None and self._speculate(decoding)):
+            launched = self._launch(decoding)
+        if prefilling is not None:  # queued behind the decode step: the device runs the two back to back
+            start = time.perf_counter()
+            self._prefill_chunk(prefilling)
+            self.prefill_chunks += 1
+            self.prefill_seconds += time.perf_counter() - start
+            self.last_read = None  # the steps read next waited for the prefill: not timed
         self._read_inflight()  # the step before: read while the one just launched runs
         self.inflight = launched
+        if prefilling is not None:
+            self.last_read = None
 
     def _prefill_chunk(self, r: Request) -> None:
         start = r.cached
         end = min(len(r.prompt_ids), start + self.config.prefill_chunk)
-        self.batch.pool.grow(r.table, end)
-        r.ints[TABLE : TABLE + len(r.table)] = r.table
+        r.grow(self.batch.pool, end)
         token = self.batch.prefill(r.prompt_ids[start:end], start, r.ints, r.floats, last=end == len(r.prompt_ids))
         r.cached = end
         if token is not None:
@@ -274,16 +293,17 @@ class Scheduler:
         token on the device, so the step is queued before the host has read the one before it."""
         previous = self.inflight
         reach = self.spec.max_nodes if self.spec is not None else 1  # a proposer's catch-up writes past the root
-        for r in rows:
-            self.batch.pool.grow(r.table, r.cached + reach)
-            r.ints[TABLE : TABLE + len(r.table)] = r.table
+        pool = self.batch.pool
+        for i, r in enumerate(rows):
+            r.grow(pool, r.cached + reach)
             r.ints[POSITION] = r.cached
             if r.pending:
                 assert previous is not None
-                r.ints[CARRY] = previous.rows.index(r)
+                r.ints[CARRY] = r.row  # its row in the step before
             else:
                 r.ints[TOKEN], r.ints[CARRY] = r.out[-1], NOT_CARRIED
-        ints, floats = np.stack([r.ints for r in rows]), np.stack([r.floats for r in rows])
+            r.row = i
+        ints, floats = self._inputs(rows)
         if self.spec is not None:
             tokens = self.spec.decode(ints, floats, settled=all(r.pairs == 1 for r in rows))
         else:
@@ -302,8 +322,9 @@ class Scheduler:
         tokens = inflight.host.read()
         if self.spec is not None and self.controller is not None:  # a plain-tier step: its cost, read to read
             now = time.perf_counter()
-            if self.last_read is not None:
-                self.controller.observe(self.spec.bucket(len(inflight.rows)), 0, now - self.last_read, [])
+            seconds = None if self.last_read is None else now - self.last_read
+            self.controller.timed_plain(self.spec.bucket(len(inflight.rows)), seconds)
+            self.controller.observe(0, [])
             self.last_read = now
         for r in inflight.rows:
             r.pending -= 1
@@ -336,8 +357,7 @@ class Scheduler:
         tier = spec.tiers[index]
         for r, on in zip(rows, drafting):
             assert r.drafts is not None
-            spec.pool.grow(r.table, r.cached + spec.max_nodes)
-            r.ints[TABLE : TABLE + len(r.table)] = r.table
+            r.grow(spec.pool, r.cached + spec.max_nodes)
             r.ints[TOKEN], r.ints[POSITION], r.ints[CARRY] = r.out[-1], r.cached, NOT_CARRIED
             r.drafts[DRAFT_COUNT] = tier.num_nodes if on else 0
             if on and spec.proposer.host_drafts:
@@ -346,8 +366,7 @@ class Scheduler:
                 r.drafts[DRAFT_TOKENS : DRAFT_TOKENS + len(guess)] = guess
         start = time.perf_counter()
         out = spec.speculate(
-            np.stack([r.ints for r in rows]),
-            np.stack([r.floats for r in rows]),
+            *self._inputs(rows),
             np.stack([r.drafts for r in rows if r.drafts is not None]),
             index,
         )
@@ -365,9 +384,15 @@ class Scheduler:
             if on and index:
                 accepted.append(n)
                 self._track(r, n, controller)
-        controller.observe(bucket, index, seconds, accepted)
+        controller.timed_drafting(bucket, index, seconds, sum(len(t) for t in tokens) / len(rows))
+        controller.observe(index, accepted)
         self._emit(rows, tokens)
         return True
+
+    def _inputs(self, rows: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+        """The rows' step inputs (ints, floats), gathered from their state rows."""
+        states = [r.ints[STATE] for r in rows]
+        return self.row_ints[states], self.row_floats[states]
 
     def _drafts(self, r: Request, step: int) -> bool:
         """Whether a request drafts this step: it did not opt out, and its acceptance is not paused."""

@@ -28,7 +28,7 @@ from pipeline.engine.kernels.routing import (
     DrafterKernels,
     attach,
     paged_layer,
-    several_token_layer,
+    sequence_layer,
     several_token_mlp,
 )
 from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
@@ -352,10 +352,10 @@ def check_model(device: str) -> None:
     attach(model, "off", (device,))
     want, _ = model(torch.tensor([[1, 2, 3, 4]]), ctx)
     close(got, want, 3e-2)
-    # ... and a small layer's tree step whole through the kernels (several_token_layer: the norms, rotary
+    # ... and a small layer's tree step whole through the kernels (sequence_layer: the norms, rotary
     # and the cache write inside the products) against the unfused layer: its output and cache writes.
     x = torch.randn(1, 4, 64, dtype=half)
-    got = several_token_layer(decoder_layer(model, 1), x, ctx, 1, tuning)
+    got = sequence_layer(decoder_layer(model, 1), x, ctx, 1, tuning)
     written = cache.k[1, 0, 70:74].clone(), cache.v[1, 0, 70:74].clone()
     cache.k[1, 0, 70:74] = cache.v[1, 0, 70:74] = 0
     close(got, model.layers[1](x, ctx, 1), 3e-2)
@@ -479,7 +479,7 @@ def check_topk(device: str) -> None:
 def check_paged(device: str) -> None:
     """A small layer's batched step over the block pool through paged_layer (the QKV product writing the
     pool's slots, the paged attention kernel, rows_gemm) against the unfused layer: decode rows, then every
-    row's tree, rows of different lengths whose blocks are not in order."""
+    row's tree, rows of different lengths whose blocks are not in order; one decode row through the GEMVs."""
     tuning, half = engine_tuning(device), tile_dtype(device)
     model = Transformer(CONFIG).to(half)
     for p in model.parameters():
@@ -488,16 +488,20 @@ def check_paged(device: str) -> None:
     pool = BlockPool(CONFIG.num_layers, 24, block, CONFIG.num_kv_heads, CONFIG.head_size, half, device)
     pool.k.normal_()
     pool.v.normal_()
-    lengths = torch.tensor([37, 5, 20])
-    table = torch.tensor([[9, 3, 12, 1, 20, 7], [2, 16, 0, 0, 0, 0], [5, 11, 18, 4, 0, 0]])
+    all_lengths = torch.tensor([37, 5, 20])
+    all_tables = torch.tensor([[9, 3, 12, 1, 20, 7], [2, 16, 0, 0, 0, 0], [5, 11, 18, 4, 0, 0]])
     tree = build_tree([[0], [1], [0, 0]])
-    for t, depths, paths in (
-        (1, torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)),
-        (4, tree.depths, torch.tensor([[0, 0, 0], [0, 1, 1], [0, 2, 2], [0, 1, 3]])),
+    one = torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
+    # One decode row (the single-token GEMVs), three decode rows, three rows' trees (rows_gemm).
+    for rows, t, depths, paths in (
+        (1, 1, *one),
+        (3, 1, *one),
+        (3, 4, tree.depths, torch.tensor([[0, 0, 0], [0, 1, 1], [0, 2, 2], [0, 1, 3]])),
     ):
+        lengths, table = all_lengths[:rows], all_tables[:rows]
         seq = lengths[:, None] + torch.arange(t)[None]
         region = lengths[:, None, None] + paths[None]
-        count = (depths + 1)[None].expand(3, t)
+        count = (depths + 1)[None].expand(rows, t)
         view = PagedView(
             pool,
             lengths[:, None] + depths[None],
@@ -505,12 +509,12 @@ def check_paged(device: str) -> None:
             table,
             lengths + t,
             48,
-            lengths[:, None].expand(3, t),
+            lengths[:, None].expand(rows, t),
             region,
             count,
         )
         ctx = paged_context(view, model.rotary)
-        x = torch.randn(3, t, CONFIG.hidden_size, dtype=half)
+        x = torch.randn(rows, t, CONFIG.hidden_size, dtype=half)
         got = paged_layer(layer, x, ctx, 1, tuning)
         slots = view.slots.reshape(-1)
         written = pool.k[1, slots].clone(), pool.v[1, slots].clone()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.bench.probes.variants import HELP, parse_variant
+from pipeline.bench.probes.variants import HELP, parse_variants
 from pipeline.bench.speed import SEED, SHAPES, SINGLE_STREAM, _IdsOnly, random_model
 from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig
 from pipeline.engine.eagle import Eagle3Net, EagleNet, EagleProposer
@@ -136,10 +136,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also write the timings and profiles here")
     args = ap.parse_args()
-    try:
-        variants = {name: parse_variant(name) for name in args.variants}
-    except ValueError as exc:
-        ap.error(str(exc))
+    variants = parse_variants(ap, args.variants)
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -264,7 +264,7 @@ LAYER_SHAPES = {"smollm2": (576, 1536, 9, 3, 64)}  # hidden, intermediate, heads
 
 
 def layer(shape: str, tokens: int, wide_k: bool = False) -> None:
-    """A small layer's four products as several_token_layer runs them, over a sweep of KernelTuning's
+    """A small layer's four products as sequence_layer runs them, over a sweep of KernelTuning's
     rows_small_*_tile: the QKV product with its norm, rotary and cache write; the output product and its residual;
     the gated gate/up with its norm; down and its residual. cuBLAS's bare product of each for scale."""
     from pipeline.engine.kernels.rows import rows_gemm, rows_rope_store

@@ -3,6 +3,7 @@ joined by commas, e.g. `rope_in_gemv=0,block_rows=16` or `rows_small_tile=64/16/
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import Any
 
@@ -36,6 +37,14 @@ def parse_variant(variant: str, base: KernelTuning = DEFAULT_TUNING) -> KernelTu
             raise ValueError(f"{item!r}: write FIELD=VALUE with FIELD one of {', '.join(sorted(fields))}")
         changes[name] = parse_value(value, getattr(base, name))
     return dataclasses.replace(base, **changes)
+
+
+def parse_variants(parser: argparse.ArgumentParser, names: list[str]) -> dict[str, KernelTuning]:
+    """Each named variant's tuning, by name; a bad one is the parser's usage error."""
+    try:
+        return {name: parse_variant(name) for name in names}
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def format_variant(tuning: KernelTuning, base: KernelTuning = DEFAULT_TUNING) -> str:

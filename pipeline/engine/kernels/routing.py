@@ -240,58 +240,63 @@ def power_of_two(n: int) -> bool:
 def fused_layer(
     layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int, tuning: KernelTuning = DEFAULT_TUNING
 ) -> torch.Tensor:
-    """DecoderLayer.forward through the kernels: a single token's all through (single_token_layer); a tree
-    step's of a small layer all through (several_token_layer); other steps of several tokens from the MLP's
-    norm on (several_token_mlp)."""
+    """DecoderLayer.forward through the kernels: a single token's, and a tree step's of a small layer, all
+    through (sequence_layer); other steps of several tokens from the MLP's norm on (several_token_mlp)."""
     tokens = x.shape[:-1].numel()
-    if tokens == 1:
-        return single_token_layer(layer, x, ctx, index, tuning)
-    if (
+    if tokens == 1 or (
         tuning.rows_layer
         and ctx.region is not None
         and tokens <= tuning.rows_gemm_max_tokens
         and layer.attention.head_size >= tuning.tree_min_rows
         and layer.mlp.fc_gate.weight.numel() <= tuning.rows_small_weights
     ):
-        return several_token_layer(layer, x, ctx, index, tuning)
+        return sequence_layer(layer, x, ctx, index, tuning)
     x = x + layer.attention(layer.input_layernorm(x), ctx, index)
     return several_token_mlp(layer, x, tuning)
 
 
-def single_token_layer(
+def sequence_layer(
     layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int, tuning: KernelTuning = DEFAULT_TUNING
 ) -> torch.Tensor:
-    """DecoderLayer.forward for one token of one sequence (x [1, 1, H]): four GEMVs, the first with
-    rotary and the cache write in it (tuning.rope_in_gemv; else a kernel of their own), the two attention
-    kernels, and SiLU-and-multiply (inductor's, or in the third GEMV with tuning.gated_gemv)."""
+    """DecoderLayer.forward for a graph step of one sequence (x [1, T, H]) over its own cache, the attention
+    through slot_attention: one token through gemv_layer, several (a tree, ctx with a region) through
+    rows_layer."""
     from pipeline.engine.kernels.attention import slot_attention
+
+    k, v = ctx.cache.k, ctx.cache.v
+
+    def attend(q: torch.Tensor) -> torch.Tensor:
+        return slot_attention(q, k[index, 0], v[index, 0], *ctx.visible_slots(), tuning=tuning)
+
+    route = gemv_layer if x.shape[:-1].numel() == 1 else rows_layer
+    return route(layer, x, ctx, index, tuning, (k, v), attend)
+
+
+def gemv_layer(
+    layer: DecoderLayer,
+    x: torch.Tensor,
+    ctx: ForwardContext,
+    index: int,
+    tuning: KernelTuning,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    attend: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """A layer's step for one token (x [1, 1, H]) through four GEMVs, the first with rotary and the write
+    into `caches` (K and V as [layers, rows, slots, Hkv, D]) in it (tuning.rope_in_gemv; else a kernel of
+    their own); the attention, attend(q [1, H, D]) -> [1, H, D]; SiLU-and-multiply inductor's, or in the
+    third GEMV with tuning.gated_gemv."""
     from pipeline.engine.kernels.gemv import gemv, gemv_rope_store
     from pipeline.engine.kernels.rotary import rope_store
 
     a, mlp, norm, post = layer.attention, layer.mlp, layer.input_layernorm, layer.post_layernorm
     assert isinstance(norm, RMSNorm)  # fusable(): only such layers are routed here
     h = x.view(-1)
-    rope = (
-        ctx.rotary.cos,
-        ctx.rotary.sin,
-        ctx.positions.view(-1),
-        ctx.slots.view(-1),
-        ctx.cache.k,
-        ctx.cache.v,
-        index,
-        a.num_heads,
-    )
+    rope = (ctx.rotary.cos, ctx.rotary.sin, ctx.positions.view(-1), ctx.slots.view(-1), *caches, index, a.num_heads)
     if tuning.rope_in_gemv:
         q = gemv_rope_store(h, a.qkv.weight, norm.weight, norm.eps, *rope, tuning=tuning)
     else:
         q = rope_store(gemv(h, a.qkv.weight, norm.weight, norm.eps, tuning=tuning), *rope)
-    out = slot_attention(
-        q.view(1, a.num_heads, a.head_size),
-        ctx.cache.k[index, 0],
-        ctx.cache.v[index, 0],
-        *ctx.visible_slots(),
-        tuning=tuning,
-    )
+    out = attend(q.view(1, a.num_heads, a.head_size))
     h = gemv(out.view(-1), a.dense.weight, residual=h, tuning=tuning)
     if tuning.gated_gemv:
         gated = gemv(h, mlp.fc_gate.weight, post.weight, post.eps, gated=True, tuning=tuning)
@@ -313,21 +318,6 @@ def several_token_mlp(layer: DecoderLayer, x: torch.Tensor, tuning: KernelTuning
     rows = x.view(tokens, -1)
     gated = rows_gemm(layer.post_layernorm(rows), layer.mlp.fc_gate.weight, gated=True, tuning=tuning)
     return rows_gemm(gated, layer.mlp.proj.weight, residual=rows, tuning=tuning).view_as(x)
-
-
-def several_token_layer(
-    layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int, tuning: KernelTuning = DEFAULT_TUNING
-) -> torch.Tensor:
-    """DecoderLayer.forward for a graph step of several tokens of one sequence (x [1, T, H], ctx with a
-    region): single_token_layer's six kernels for T rows (rows_layer), the attention through slot_attention."""
-    from pipeline.engine.kernels.attention import slot_attention
-
-    k, v = ctx.cache.k, ctx.cache.v
-
-    def attend(q: torch.Tensor) -> torch.Tensor:
-        return slot_attention(q, k[index, 0], v[index, 0], *ctx.visible_slots(), tuning=tuning)
-
-    return rows_layer(layer, x, ctx, index, tuning, (k, v), attend)
 
 
 def rows_layer(
@@ -372,9 +362,9 @@ def paged_layer(
     layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int, tuning: KernelTuning = DEFAULT_TUNING
 ) -> torch.Tensor:
     """DecoderLayer.forward for a batched step over the block pool (x [B, T, H]: one token a row, or every
-    row's tree) of a small layer: rows_layer's six kernels writing the pool's slots, the attention through
-    the paged kernel. Prefill chunks (no region), steps of more than rows_gemm_max_tokens tokens and decode
-    steps of rows outside paged_decode_rows take the library path."""
+    row's tree) of a small layer: rows_layer's six kernels writing the pool's slots (gemv_layer's for a
+    single token), the attention through the paged kernel. Prefill chunks (no region), steps of more than
+    rows_gemm_max_tokens tokens and decode steps of rows outside paged_decode_rows take the library path."""
     from pipeline.engine.paged_attention import paged_attention
 
     paged, tokens = ctx.paged, x.shape[:-1].numel()
@@ -390,5 +380,7 @@ def paged_layer(
         q = q.view(*x.shape[:-1], *q.shape[1:])
         return paged_attention(q, pool.k[index], pool.v[index], paged.table, prefix, region, count, pool.block_size)
 
-    # The rotary kernels' cache layout, one row.
-    return rows_layer(layer, x, ctx, index, tuning, (pool.k[:, None], pool.v[:, None]), attend)
+    caches = pool.k[:, None], pool.v[:, None]  # the rotary kernels' cache layout, one row
+    if tokens == 1:
+        return gemv_layer(layer, x, ctx, index, tuning, caches, attend)
+    return rows_layer(layer, x, ctx, index, tuning, caches, attend)

@@ -49,9 +49,9 @@ class KernelTuning:
     # ... and a batched step over the block pool (decode rows, every row's tree) the same way, the attention
     # through the paged kernel (routing.paged_layer), instead of the library products and inductor's fusions.
     paged_layer: bool = True
-    # Decode rows (one token a row) take it from the first to the second row count: one row streams faster
-    # through the GEMVs, 32 and 64 rows through cuBLAS's products (see BENCHMARKS.md).
-    paged_decode_rows: tuple[int, int] = (2, 16)
+    # Decode rows (one token a row) take it from the first to the second row count (one row through the
+    # single-token GEMVs); 32 and 64 rows stream faster through cuBLAS's products (see BENCHMARKS.md).
+    paged_decode_rows: tuple[int, int] = (1, 16)
     # Their (BLOCK_M tokens, BLOCK_N outputs, BLOCK_K columns, warps, stages), for the QKV product with rotary,
     # the gated gate/up and the others: latency-bound products, so small tiles on many SMs and deep pipelines
     # (measured faster on the H200; see BENCHMARKS.md).
