@@ -45,6 +45,7 @@ LIMITS = {"max_input_len": MAX_INPUT_LEN, "max_seq_len": MAX_SEQ_LEN, "max_batch
 LONG_MAX_TOKENS = 400
 CHUNKS_BEFORE_CANCEL = 2
 SLOWDOWN_ALLOWED, SLACK_S = 3.0, 2.0
+THREADS_S = 10.0  # the stub's threads are back to their number before the cancel within this
 # The watchdog polls every 0.5 s; the tiny engine reloads in about 10 s on 2 busy cores.
 DETECT_S, RELOAD_S = 5.0, 120.0
 
@@ -204,6 +205,8 @@ def test_a_cancelled_stream_frees_the_engine(server, route):
     tokens. (Through the ensemble Triton 2.51 does not pass the cancel on: docs/serving.md.)"""
     protocol, model = route.split()
     baseline = _latency(server)
+    stub = next(pid for pid, name in python_stubs(server.process.pid).items() if name == model)
+    threads = _threads(stub)
     sampling = Sampling(max_tokens=LONG_MAX_TOKENS, end_id=-1)
     if model == ENGINE_MODEL:
         inputs = engine_inputs([1, 2, 3, 4, 5], sampling, stream=True)
@@ -212,6 +215,16 @@ def test_a_cancelled_stream_frees_the_engine(server, route):
     cancel = _cancel_grpc_stream if protocol == "grpc" else _cancel_http_stream
     cancel(server.grpc_url if protocol == "grpc" else server.http_url, model, inputs)
     assert _latency(server) < baseline * SLOWDOWN_ALLOWED + SLACK_S
+    # Nothing of the cancelled request stays behind in the model's stub (a worker waiting for a response
+    # Triton never delivers grew the BLS stub by megabytes a minute under a stream of cancels).
+    deadline = time.monotonic() + THREADS_S
+    while _threads(stub) > threads:
+        assert time.monotonic() < deadline, f"{model}: a thread of the cancelled request is still running"
+        time.sleep(0.1)
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
 
 
 def test_a_killed_engine_stub_is_reloaded_and_health_tells_the_truth(server):

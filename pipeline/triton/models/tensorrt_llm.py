@@ -10,7 +10,9 @@ Cancellation: between chunks the worker checks the request's own cancel flag (a 
 request sent to this model) and a stop request: a request with `stop` true and the `request_id` of one in
 flight ends that one, as in TensorRT-LLM's backend; the BLS model sends those, since Triton 2.51 does not
 pass a cancel on to composing or BLS requests already running. Either way the engine's stream is closed,
-which ends the request in the engine at its next step and frees its cache.
+which ends the request in the engine at its next step and frees its cache. A cancelled request ends with a
+CANCELLED error; a stopped one with an empty final response, no error: Triton 2.51 drops an error sent to a
+BLS request whose own client cancelled, which left the BLS worker waiting for it forever.
 """
 
 import json
@@ -206,9 +208,10 @@ def _error(message, code):
 class Stopped(Exception):
     """The request ended before its last token: cancelled by the client, a stop request, or unloading."""
 
-    def __init__(self, message, code):
+    def __init__(self, message, code, error=True):
         super().__init__(message)
         self.code = code
+        self.error = error  # False: ended by a stop request, answered with an empty final
 
 
 def _tensor(name, values, dtype):
@@ -268,7 +271,7 @@ class TritonPythonModel:
         except EngineBusy as exc:
             _send(sender, _error(f"busy, retry later ({exc})", pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
         except Stopped as exc:
-            _send(sender, _error(exc, exc.code), flags=FINAL)
+            _send(sender, _error(exc, exc.code) if exc.error else None, flags=FINAL)
         except Exception as exc:  # a bug must still end the request; the server keeps serving others
             traceback.print_exc()
             _send(
@@ -292,7 +295,7 @@ class TritonPythonModel:
         if request.is_cancelled():
             raise Stopped("cancelled", pb_utils.TritonError.CANCELLED)
         if stop_event.is_set():
-            raise Stopped("stopped by a stop request", pb_utils.TritonError.CANCELLED)
+            raise Stopped("stopped by a stop request", pb_utils.TritonError.CANCELLED, error=False)
         if self.stopping.is_set():
             raise Stopped("the server is shutting down; retry on another or later", pb_utils.TritonError.UNAVAILABLE)
 

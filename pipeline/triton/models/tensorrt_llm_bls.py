@@ -152,8 +152,8 @@ class CancelWatcher:
         self.thread.join()
 
     def _watch(self):
-        # Triton 2.51 does not deliver the engine model's last response to a BLS request whose own request
-        # was cancelled, so the worker may never see its stream end: the watcher answers the client.
+        # The watcher answers the client; the engine model ends the stopped request with an empty final
+        # (Triton 2.51 would drop an error on its way here, leaving the worker waiting for it).
         while not self.done.wait(CANCEL_POLL_S):
             if self.reply.closed:
                 return
@@ -208,10 +208,9 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        """Wait up to FINALIZE_DEADLINE_S for running requests (the engine model ends them on its own unload;
-        a worker whose request was cancelled may wait forever for a response Triton does not deliver), then
-        leave the process at once: the interpreter's teardown takes seconds, which pushed tritonserver past
-        its exit timeout."""
+        """Wait up to FINALIZE_DEADLINE_S for running requests (the engine model ends them on its own unload),
+        then leave the process at once: the interpreter's teardown takes seconds, which pushed tritonserver
+        past its exit timeout."""
         deadline = time.monotonic() + FINALIZE_DEADLINE_S
         with self.workers_lock:
             workers = list(self.workers)
