@@ -32,6 +32,7 @@ from pipeline.client.client import (
 )
 from pipeline.client.verify import verify
 from pipeline.convert.tiny import TINY_SHAPES, make_random_medusa, make_tiny_model
+from pipeline.engine.kv_cache import DEFAULT_BLOCK_SIZE
 from pipeline.engine.runner import Engine, SamplingParams
 from pipeline.triton.repo import write_repository
 from pipeline.triton.server import READY_TIMEOUT_S, SHM_DIR, TritonServer, free_ports
@@ -105,6 +106,9 @@ def test_engine_model_returns_the_engine_token_ids(server, engine):
         reply = generate_ids(server.grpc_url, expected.prompt_token_ids, Sampling(max_tokens=MAX_TOKENS), stream=stream)
         assert reply.output_ids == expected.token_ids
         assert reply.total_draft_tokens == 0 and reply.acceptance_rate == 0.0  # plain decoding drafts nothing
+        # The blocks its text fills in the pool (the last token drawn is never written).
+        cached = len(expected.prompt_token_ids) + len(expected.token_ids) - 1
+        assert reply.kv_cache_alloc_total_blocks == -(-cached // DEFAULT_BLOCK_SIZE)
 
 
 def _raw_ensemble(server, **overrides):

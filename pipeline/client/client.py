@@ -30,7 +30,7 @@ NUMPY_TO_TRITON = {
     np.dtype(np.int64): "INT64",
     np.dtype(np.object_): "BYTES",
 }
-PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
+PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "kv_cache_alloc_total_blocks")
 COUNT_OUTPUTS = ("num_input_tokens", "num_output_tokens")
 
 
@@ -51,6 +51,7 @@ class Reply:
     acceptance_rate: float = 0.0
     total_accepted_draft_tokens: int = 0
     total_draft_tokens: int = 0
+    kv_cache_alloc_total_blocks: int = 0  # the engine's KV cache blocks the request held
 
     @property
     def acceptance_length(self) -> float:

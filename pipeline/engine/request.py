@@ -20,6 +20,7 @@ class GenerationResult:
     text: str
     finish_reason: str  # "length" | "end_id" | "stop"
     stats: SpecStats = field(default_factory=SpecStats)
+    kv_blocks: int = 0  # KV cache blocks of the pool it held at its end (batched engines; 0 otherwise)
 
 
 @dataclass

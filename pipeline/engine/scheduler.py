@@ -443,7 +443,9 @@ class Scheduler:
             if r.cancelled:
                 continue  # dropped at the next iteration
             if r.stop.reason:
-                r.chunks.put(StreamChunk(new, True, self.result(r.prompt_ids, r.out, r.stop.reason, r.stats)))
+                result = self.result(r.prompt_ids, r.out, r.stop.reason, r.stats)
+                result.kv_blocks = len(r.table)
+                r.chunks.put(StreamChunk(new, True, result))
                 with self.lock:
                     self._release(r)
             else:

@@ -403,9 +403,10 @@ class TritonPythonModel:
         if want_perf:
             stats = result.stats
             outputs += [
-                _tensor("kv_cache_alloc_new_blocks", [0], np.int32),  # the portable engine has no paged KV blocks
+                # Every block a request holds is its own (no prefix reuse): all new, none reused.
+                _tensor("kv_cache_alloc_new_blocks", [result.kv_blocks], np.int32),
                 _tensor("kv_cache_reused_blocks", [0], np.int32),
-                _tensor("kv_cache_alloc_total_blocks", [0], np.int32),
+                _tensor("kv_cache_alloc_total_blocks", [result.kv_blocks], np.int32),
                 _tensor("arrival_time_ns", [arrival_ns], np.int64),
                 _tensor("first_scheduled_time_ns", [scheduled_ns], np.int64),
                 _tensor("first_token_time_ns", [first_token_ns or last_token_ns], np.int64),
