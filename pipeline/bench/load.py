@@ -185,9 +185,11 @@ def sweep(
     params: SamplingParams,
     min_requests: int,
     label: str,
-    controller: TierController | None = None,
     scheduler: Scheduler | None = None,
 ) -> list[dict[str, Any]]:
+    """Each level's row; with the in-process engine's `scheduler`, its prefill share and, for a speculative
+    engine, the tiers its controller chose and what it believed after the level."""
+    controller = scheduler.controller if scheduler is not None else None
     client(prompts[0], SamplingParams(max_tokens=8, end_id=IGNORE_END))  # first-use costs out of the numbers
     rows = []
     for c in levels:
@@ -379,7 +381,6 @@ def main(argv: list[str] | None = None) -> int:
             params,
             args.min_requests,
             name,
-            engine.scheduler.controller,
             engine.scheduler,
         )
     if args.triton:

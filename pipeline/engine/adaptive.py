@@ -153,7 +153,7 @@ class TierController:
                 excess = max(0.0, seconds - self.plain_cost[bucket])
             self._drafted(*held, excess)
         elif seconds is not None:
-            self.timed(bucket, 0, seconds)
+            self._timed(bucket, 0, seconds)
 
     def timed_drafting(self, bucket: int, index: int, seconds: float, tokens: float) -> None:
         """A drafting step of tier `index` took `seconds` and emitted `tokens` tokens a row: held until the
@@ -166,11 +166,11 @@ class TierController:
         """A drafting step's time with `excess`: into the cost table, and its tokens a row a second into
         the tier's record in this bucket."""
         seconds += excess
-        self.timed(bucket, index, seconds)
+        self._timed(bucket, index, seconds)
         rate, seen = tokens / seconds, self.realized.get((bucket, index))
         self.realized[(bucket, index)] = rate if seen is None else seen + self.config.cost_weight * (rate - seen)
 
-    def timed(self, bucket: int, index: int, seconds: float) -> None:
+    def _timed(self, bucket: int, index: int, seconds: float) -> None:
         """A step of tier `index` in `bucket` took `seconds`: the cost table moves toward it."""
         if bucket not in self.ratio:
             return

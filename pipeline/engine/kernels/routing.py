@@ -258,9 +258,8 @@ def fused_layer(
 def sequence_layer(
     layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int, tuning: KernelTuning = DEFAULT_TUNING
 ) -> torch.Tensor:
-    """DecoderLayer.forward for a graph step of one sequence (x [1, T, H]) over its own cache, the attention
-    through slot_attention: one token through gemv_layer, several (a tree, ctx with a region) through
-    rows_layer."""
+    """DecoderLayer.forward for a graph step of one sequence (x [1, T, H]: one token, or a tree with ctx's
+    region) over its own cache through kernel_layer, the attention through slot_attention."""
     from pipeline.engine.kernels.attention import slot_attention
 
     k, v = ctx.cache.k, ctx.cache.v
@@ -268,8 +267,22 @@ def sequence_layer(
     def attend(q: torch.Tensor) -> torch.Tensor:
         return slot_attention(q, k[index, 0], v[index, 0], *ctx.visible_slots(), tuning=tuning)
 
+    return kernel_layer(layer, x, ctx, index, tuning, (k, v), attend)
+
+
+def kernel_layer(
+    layer: DecoderLayer,
+    x: torch.Tensor,
+    ctx: ForwardContext,
+    index: int,
+    tuning: KernelTuning,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    attend: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """A layer's step all through the kernels, writing K and V into `caches` and attending through `attend`:
+    one token through the GEMVs (gemv_layer), several through rows_gemm (rows_layer)."""
     route = gemv_layer if x.shape[:-1].numel() == 1 else rows_layer
-    return route(layer, x, ctx, index, tuning, (k, v), attend)
+    return route(layer, x, ctx, index, tuning, caches, attend)
 
 
 def gemv_layer(
@@ -362,8 +375,8 @@ def paged_layer(
     layer: DecoderLayer, x: torch.Tensor, ctx: ForwardContext, index: int, tuning: KernelTuning = DEFAULT_TUNING
 ) -> torch.Tensor:
     """DecoderLayer.forward for a batched step over the block pool (x [B, T, H]: one token a row, or every
-    row's tree) of a small layer: rows_layer's six kernels writing the pool's slots (gemv_layer's for a
-    single token), the attention through the paged kernel. Prefill chunks (no region), steps of more than
+    row's tree) of a small layer through kernel_layer, writing the pool's slots, the attention through the
+    paged kernel. Prefill chunks (no region), steps of more than
     rows_gemm_max_tokens tokens and decode steps of rows outside paged_decode_rows take the library path."""
     from pipeline.engine.paged_attention import paged_attention
 
@@ -380,7 +393,5 @@ def paged_layer(
         q = q.view(*x.shape[:-1], *q.shape[1:])
         return paged_attention(q, pool.k[index], pool.v[index], paged.table, prefix, region, count, pool.block_size)
 
-    caches = pool.k[:, None], pool.v[:, None]  # the rotary kernels' cache layout, one row
-    if tokens == 1:
-        return gemv_layer(layer, x, ctx, index, tuning, caches, attend)
-    return rows_layer(layer, x, ctx, index, tuning, caches, attend)
+    # The rotary kernels' cache layout, one row.
+    return kernel_layer(layer, x, ctx, index, tuning, (pool.k[:, None], pool.v[:, None]), attend)

@@ -208,10 +208,9 @@ def _error(message, code):
 class Stopped(Exception):
     """The request ended before its last token: cancelled by the client, a stop request, or unloading."""
 
-    def __init__(self, message, code, error=True):
+    def __init__(self, message, code):
         super().__init__(message)
-        self.code = code
-        self.error = error  # False: ended by a stop request, answered with an empty final
+        self.code = code  # None: ended by a stop request, answered with an empty final
 
 
 def _tensor(name, values, dtype):
@@ -271,7 +270,7 @@ class TritonPythonModel:
         except EngineBusy as exc:
             _send(sender, _error(f"busy, retry later ({exc})", pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
         except Stopped as exc:
-            _send(sender, _error(exc, exc.code) if exc.error else None, flags=FINAL)
+            _send(sender, None if exc.code is None else _error(exc, exc.code), flags=FINAL)
         except Exception as exc:  # a bug must still end the request; the server keeps serving others
             traceback.print_exc()
             _send(
@@ -295,7 +294,7 @@ class TritonPythonModel:
         if request.is_cancelled():
             raise Stopped("cancelled", pb_utils.TritonError.CANCELLED)
         if stop_event.is_set():
-            raise Stopped("stopped by a stop request", pb_utils.TritonError.CANCELLED, error=False)
+            raise Stopped("stopped by a stop request", None)
         if self.stopping.is_set():
             raise Stopped("the server is shutting down; retry on another or later", pb_utils.TritonError.UNAVAILABLE)
 
