@@ -24,6 +24,7 @@ from pipeline.engine.runner import Engine, SamplingParams
 from pipeline.engine.sampling import sample_rows
 from pipeline.engine.scheduler import SchedulerConfig
 from pipeline.engine.spec_step import Tier, accept_rows, tier_ladder
+from pipeline.engine.step import CARRY, STATE
 
 PROMPTS = [
     "def add(a, b):",
@@ -120,6 +121,25 @@ def test_a_tier_switch_in_the_middle_of_a_request_stays_exact(built, plain):
         out += chunk.token_ids
         controller.config = replace(controller.config, policy=next(policies))
     assert out == plain.generate(ids, params).token_ids
+
+
+def test_drafting_steps_are_queued_before_the_step_before_is_read(built, plain):
+    """A drafting step takes its rows' roots and cached lengths from the step before on the device, so it is
+    queued before the host has read that step (whose accepted counts the host does not know yet)."""
+    engine = Engine.from_dir(built["eagle"], serving=SchedulerConfig(speculation="chain2"))
+    spec = engine.scheduler.spec
+    assert spec is not None
+    speculate, steps = spec.speculate, []
+
+    def recorded(ints, floats, drafts, tier, settled=False):
+        if (ints[:, STATE] > 0).any():  # a step of requests, not of calibration's padding rows
+            steps.append((tier, bool((ints[:, CARRY] >= 0).any())))
+        return speculate(ints, floats, drafts, tier, settled)
+
+    spec.speculate = recorded
+    requests = mixed_requests(plain)
+    assert run_together(engine, requests) == [plain.generate(ids, params).token_ids for ids, params in requests]
+    assert sum(tier > 0 and carried for tier, carried in steps) > len(steps) // 2
 
 
 def test_an_opted_out_request_is_served_plainly_inside_a_speculative_batch(built, plain):

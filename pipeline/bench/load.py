@@ -38,7 +38,7 @@ from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig
 from pipeline.engine.cpu_threads import on_own_thread
 from pipeline.engine.kernels.routing import attach
 from pipeline.engine.kernels.tuning import KernelTuning
-from pipeline.engine.model import Transformer
+from pipeline.engine.model import ModelConfig, Transformer
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.scheduler import Scheduler, SchedulerConfig
@@ -279,26 +279,7 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
         max_batch_size=args.max_batch_size, batched=not args.single_stream, speculation=args.speculation
     )
     if args.shape:
-        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-        model = random_model(SHAPES[args.shape], torch.device(args.device), dtype)
-        assert isinstance(model, Transformer)
-        limits = EngineLimits(
-            args.max_batch_size or SHAPE_LIMITS.max_batch_size, SHAPE_LIMITS.max_input_len, SHAPE_LIMITS.max_seq_len, 0
-        )
-        if args.draft == "eagle":  # a random EAGLE drafter: nothing is accepted, the floor of speculation
-            from pipeline.bench.probes.eagle_step import random_drafter
-            from pipeline.engine.eagle import EagleProposer
-            from pipeline.engine.loader import batched_proposer
-
-            spec = SpecConfig(mode="eagle", max_draft_len=SHAPE_TREE_NODES, dynamic_tree=SHAPE_TREE)
-            limits = replace(limits, max_draft_len=SHAPE_TREE_NODES)
-            net = random_drafter(SHAPES[args.shape], model.lm_head.weight.device, dtype, "eagle", None)
-            slots = limits.max_seq_len + SHAPE_TREE_NODES + 1
-            proposer = EagleProposer(net, slots, None, SHAPE_TREE, SHAPE_TREE_NODES)
-            rows = batched_proposer(spec, proposer, model.lm_head.weight.device, dtype)
-            engine = Engine(model, _IdsOnly(), limits, spec, proposer, serving=serving, rows=rows)
-        else:
-            engine = Engine(model, _IdsOnly(), limits, SpecConfig(), serving=serving)
+        engine = random_engine(SHAPES[args.shape], torch.device(args.device), args.max_batch_size, args.draft, serving)
         retune(engine, args.tuning)
         engine.warm_up(tuple(1.0 if t else 0.0 for t in args.temperatures))
         return engine, f"{args.shape}-random" + (f"-{args.draft}" if args.draft else ""), None
@@ -309,6 +290,32 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
     else:  # CUDA: every batch bucket's graphs now, not inside a measured level
         engine.warm_up(tuple(1.0 if t else 0.0 for t in args.temperatures))
     return engine, args.engine.name, engine.tokenizer
+
+
+def random_engine(
+    shape: ModelConfig, device: torch.device, max_batch_size: int | None, draft: str | None, serving: SchedulerConfig
+) -> Engine:
+    """An engine over random weights of `shape` (bf16 on CUDA), plain or with a random EAGLE drafter (draft
+    "eagle": nothing is accepted, the floor of speculation) and the CUDA build's tree."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_model(shape, device, dtype)
+    assert isinstance(model, Transformer)
+    limits = EngineLimits(
+        max_batch_size or SHAPE_LIMITS.max_batch_size, SHAPE_LIMITS.max_input_len, SHAPE_LIMITS.max_seq_len, 0
+    )
+    if draft != "eagle":
+        return Engine(model, _IdsOnly(), limits, SpecConfig(), serving=serving)
+    from pipeline.bench.probes.eagle_step import random_drafter
+    from pipeline.engine.eagle import EagleProposer
+    from pipeline.engine.loader import batched_proposer
+
+    spec = SpecConfig(mode="eagle", max_draft_len=SHAPE_TREE_NODES, dynamic_tree=SHAPE_TREE)
+    limits = replace(limits, max_draft_len=SHAPE_TREE_NODES)
+    net = random_drafter(shape, device, dtype, "eagle", None)
+    slots = limits.max_seq_len + SHAPE_TREE_NODES + 1
+    proposer = EagleProposer(net, slots, None, SHAPE_TREE, SHAPE_TREE_NODES)
+    rows = batched_proposer(spec, proposer, device, dtype)
+    return Engine(model, _IdsOnly(), limits, spec, proposer, serving=serving, rows=rows)
 
 
 def retune(engine: Engine, tuning: KernelTuning | None) -> None:

@@ -145,7 +145,8 @@ class Engine:
             bytes_per_token = (
                 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * target.lm_head.weight.element_size()
             )
-            headroom = 0 if plain else limits.max_draft_len + 1  # a tree past the text
+            # A tree past the text, after the drafts a step in flight may have accepted (SpecStep.headroom).
+            headroom = 0 if plain else 2 * (limits.max_draft_len + 1)
             blocks = serving.cache.num_blocks(
                 bytes_per_token, self.device, self.max_batch_size, limits.max_seq_len + headroom
             )

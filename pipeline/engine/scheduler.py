@@ -10,10 +10,12 @@ slow consumer wakes once for several steps. A consumer that stops reading (close
 request at the next iteration.
 
 A speculative engine with a batched proposer runs a SpecStep instead: every running request drafts, is
-verified and accepts in one step of the tier the controller chooses (adaptive.py). A drafting step is read
-at once (each row's accepted count sets where its next step starts); a plain-tier step emits one token a
-row, so it is queued ahead like a plain engine's step and costs what one does. Other speculative engines
-(the draft model) serve the queue one request at a time through the engine's own decode loop (`serial`).
+verified and accepts in one step of the tier the controller chooses (adaptive.py). Its steps are queued
+ahead too, drafting ones included: a row's next step takes its root and its cached length from the step
+before on the device, so the host, which learns a row's accepted count only when it reads the step, grows
+the row's table for the most that step may have accepted. Only host drafts (n-gram) need the text first.
+Other speculative engines (the draft model) serve the queue one request at a time through the engine's
+own decode loop (`serial`).
 """
 
 from __future__ import annotations
@@ -35,14 +37,25 @@ from pipeline.engine.kv_cache import BlockPool, CacheBudget
 from pipeline.engine.readback import Pending
 from pipeline.engine.request import ChunkQueue, GenerationResult, StopChecker, StreamChunk
 from pipeline.engine.sampling import SEED_LIMIT, EngineBusy, SamplingParams
-from pipeline.engine.spec_step import DRAFT_COUNT, DRAFT_TOKENS, SpecStep
+from pipeline.engine.spec_step import COUNT, DRAFT_COUNT, DRAFT_TOKENS, SpecStep
 from pipeline.engine.stats import SpecStats
-from pipeline.engine.step import CARRY, POSITION, SEED, STATE, TABLE, TEMPERATURE, TOKEN, TOP_K, TOP_P, BatchStep
+from pipeline.engine.step import (
+    CARRY,
+    NOT_CARRIED,
+    POSITION,
+    SEED,
+    STATE,
+    TABLE,
+    TEMPERATURE,
+    TOKEN,
+    TOP_K,
+    TOP_P,
+    BatchStep,
+)
 from pipeline.errors import UserError
 
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_PREFILL_CHUNK = 512
-NOT_CARRIED = -1  # a row's CARRY column when its token comes from the host
 
 
 @dataclass(frozen=True)
@@ -96,15 +109,18 @@ class Request:
     table: list[int] = field(default_factory=list)  # pool blocks, in sequence order
     out: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
-    cached: int = 0  # tokens whose KV is in the pool (or will be, once the step in flight has run)
-    pending: int = 0  # decode steps queued for this request whose token the host has not read
+    cached: int = 0  # tokens whose KV is in the pool (or will be, once the step in flight has run), at least
+    slack: int = 0  # ... and at most this many more: drafts a step not read yet may have accepted
+    pending: int = 0  # decode steps queued for this request whose tokens the host has not read
     done: bool = False  # finished or cancelled: its blocks are back in the pool
     worst_blocks: int = 0  # blocks the request may come to hold
     cancelled: bool = False
     drafts: np.ndarray | None = None  # a speculative step's draft input for this row (spec_step.DRAFT_COUNT ...)
     accepted_mean: float | None = None  # running mean of draft tokens accepted a drafting step
     paused_until: int = 0  # the controller step before which this request drafts nothing (low acceptance)
-    pairs: int = 1  # accepted tokens its proposer has yet to take in (speculative steps): 1 after a plain step
+    # Accepted tokens its proposer has yet to take in (speculative steps): 1 after a plain step, the most
+    # possible after a drafting step not read yet.
+    pairs: int = 1
     row: int = 0  # its row in the last decode step queued
 
     def grow(self, pool: BlockPool, tokens: int) -> None:
@@ -123,6 +139,8 @@ class Request:
 class _Inflight:
     rows: list[Request]
     host: Pending  # the step's tokens on their way to the host
+    tier: int = 0  # a speculative step's tier (0: plain)
+    drafting: list[bool] = field(default_factory=list)  # per row: it drafted (a drafting tier)
 
 
 class Scheduler:
@@ -176,7 +194,7 @@ class Scheduler:
             seed = params.seed if params.seed is not None else random.randrange(SEED_LIMIT)
             ints[TOP_K], ints[SEED] = params.top_k, seed
             floats[TEMPERATURE], floats[TOP_P] = 0.0 if params.greedy else params.temperature, params.top_p
-            headroom = self.spec.max_nodes if self.spec is not None else 0  # a tree past the text
+            headroom = self.spec.headroom if self.spec is not None else 0  # a tree past the text
             request.worst_blocks = self.batch.pool.blocks_for(len(prompt_ids) + params.max_tokens + headroom)
             if self.spec is not None:
                 request.drafts = self.spec.new_drafts()
@@ -260,14 +278,11 @@ class Scheduler:
 
     def _iterate(self) -> None:
         prefilling = next((r for r in self.running if not r.prefilled), None)
-        decoding = [
-            r
-            for r in self.running
-            if r.prefilled and (r.out or r.pending) and not r.done and len(r.out) + r.pending < r.params.max_tokens
-        ]
-        launched = None
-        if decoding and not (self.spec is not None and self._speculate(decoding)):
-            launched = self._launch(decoding)
+        decoding = self._decoding()
+        tier, drafting = 0, [False] * len(decoding)
+        if decoding and self.spec is not None:
+            decoding, tier, drafting = self._choose(decoding)
+        launched = self._launch(decoding, tier, drafting) if decoding else None
         if prefilling is not None:  # queued behind the decode step: the device runs the two back to back
             start = time.perf_counter()
             self._prefill_chunk(prefilling)
@@ -279,6 +294,15 @@ class Scheduler:
         if prefilling is not None:
             self.last_read = None
 
+    def _decoding(self) -> list[Request]:
+        """Running requests that decode this iteration: prefilled, and short of max_tokens even if every
+        step not read yet emitted one token."""
+        return [
+            r
+            for r in self.running
+            if r.prefilled and (r.out or r.pending) and not r.done and len(r.out) + r.pending < r.params.max_tokens
+        ]
+
     def _prefill_chunk(self, r: Request) -> None:
         start = r.cached
         end = min(len(r.prompt_ids), start + self.config.prefill_chunk)
@@ -288,14 +312,37 @@ class Scheduler:
         if token is not None:
             self._emit([r], [token.tolist()])
 
-    def _launch(self, rows: list[Request]) -> _Inflight:
-        """Queue one decode step for `rows`. A row still waiting for the step in flight takes that step's
-        token on the device, so the step is queued before the host has read the one before it."""
+    def _choose(self, rows: list[Request]) -> tuple[list[Request], int, list[bool]]:
+        """The tier of a speculative step for `rows` (the controller's choice) and which rows draft. A bucket's
+        first step measures its tiers first, and host drafts (n-gram) read the step in flight first: both
+        settle it, and the rows still decoding after it are the step's."""
+        spec, controller = self.spec, self.controller
+        assert spec is not None and controller is not None
+        while rows and not controller.calibrated(spec.bucket(len(rows))):
+            self._read_inflight()  # calibration's padding steps reuse the buckets' buffers: settle first
+            self._calibrate(spec.bucket(len(rows)))
+            self.last_read = None
+            rows = self._decoding()
+        drafting = [self._drafts(r, controller.steps) for r in rows]
+        index = controller.choose(spec.bucket(len(rows)), len(rows), sum(drafting)) if rows else 0
+        if index and spec.proposer.host_drafts and self.inflight is not None:
+            self._read_inflight()
+            rows = self._decoding()
+            drafting = [self._drafts(r, controller.steps) for r in rows]
+            if not controller.calibrated(spec.bucket(len(rows))):
+                index = 0  # a smaller bucket not measured yet: a plain step, measured at the next one
+        return rows, index, drafting
+
+    def _launch(self, rows: list[Request], index: int, drafting: list[bool]) -> _Inflight:
+        """Queue one decode step of tier `index` (0: plain) for `rows`. A row still waiting for the step in
+        flight takes that step's last token and length on the device, so the step is queued before the
+        host has read the one before it."""
         previous = self.inflight
-        reach = self.spec.max_nodes if self.spec is not None else 1  # a proposer's catch-up writes past the root
+        spec = self.spec
+        reach = spec.max_nodes if spec is not None else 1  # a proposer's catch-up and a tree write past the root
         pool = self.batch.pool
         for i, r in enumerate(rows):
-            r.grow(pool, r.cached + reach)
+            r.grow(pool, r.cached + r.slack + reach)
             r.ints[POSITION] = r.cached
             if r.pending:
                 assert previous is not None
@@ -304,90 +351,73 @@ class Scheduler:
                 r.ints[TOKEN], r.ints[CARRY] = r.out[-1], NOT_CARRIED
             r.row = i
         ints, floats = self._inputs(rows)
-        if self.spec is not None:
-            tokens = self.spec.decode(ints, floats, settled=all(r.pairs == 1 for r in rows))
+        depth = 0
+        if spec is None:
+            out = self.batch.decode(ints, floats)
+        elif index == 0:
+            out = spec.decode(ints, floats, settled=all(r.pairs == 1 for r in rows))
         else:
-            tokens = self.batch.decode(ints, floats)
+            tier = spec.tiers[index]
+            depth = tier.depth
+            for r, on in zip(rows, drafting):
+                assert r.drafts is not None
+                r.drafts[DRAFT_COUNT] = tier.num_nodes if on else 0
+                if on and spec.proposer.host_drafts:
+                    guess = spec.proposer.host_draft(r.prompt_ids + r.out)[: tier.depth]
+                    r.drafts[DRAFT_COUNT] = len(guess)
+                    r.drafts[DRAFT_TOKENS : DRAFT_TOKENS + len(guess)] = guess
+            out = spec.speculate(ints, floats, np.stack([r.drafts for r in rows if r.drafts is not None]), index)
         for r in rows:
             r.cached += 1
+            r.slack += depth
             r.pending += 1
-            r.pairs = 1
-        return _Inflight(rows, self.batch.readback.start(tokens))
+            r.pairs = depth + 1
+        return _Inflight(rows, self.batch.readback.start(out), index, drafting)
 
     def _read_inflight(self) -> None:
-        """The step in flight's tokens to the host (the step's one sync), emitted."""
+        """The step in flight's tokens to the host (the step's one sync), emitted; a speculative step's cost
+        (read to read) and acceptance to the controller."""
         inflight, self.inflight = self.inflight, None
         if inflight is None:
             return
-        tokens = inflight.host.read()
-        if self.spec is not None and self.controller is not None:  # a plain-tier step: its cost, read to read
-            now = time.perf_counter()
-            seconds = None if self.last_read is None else now - self.last_read
-            self.controller.timed_plain(self.spec.bucket(len(inflight.rows)), seconds)
-            self.controller.observe(0, [])
-            self.last_read = now
+        values = inflight.host.read()
+        now = time.perf_counter()
+        seconds = None if self.last_read is None else now - self.last_read
+        self.last_read = now
         for r in inflight.rows:
             r.pending -= 1
-        live = [(r, t) for r, t in zip(inflight.rows, tokens) if not r.done]
-        for r, _ in live:
-            r.stats.record(0, 0, 0)
-        self._emit([r for r, _ in live], [[t] for _, t in live])
-
-    def _speculate(self, rows: list[Request]) -> bool:
-        """One drafting step for `rows`, in the tier the controller picks, read back at once; False when it
-        picks the plain tier, which the caller queues as a plain step."""
+        if inflight.tier == 0:
+            if self.spec is not None and self.controller is not None:
+                self.controller.timed_plain(self.spec.bucket(len(inflight.rows)), seconds)
+                self.controller.observe(0, [])
+            live = [(r, t) for r, t in zip(inflight.rows, values) if not r.done]
+            for r, _ in live:
+                r.stats.record(0, 0, 0)
+            self._emit([r for r, _ in live], [[t] for _, t in live])
+            return
         spec, controller = self.spec, self.controller
         assert spec is not None and controller is not None
-        bucket = spec.bucket(len(rows))
-        if not controller.calibrated(bucket):
-            self._read_inflight()  # calibration's padding steps reuse the buckets' buffers: settle first
-            self._calibrate(bucket)
-            self.last_read = None
-        drafting = [self._drafts(r, controller.steps) for r in rows]
-        index = controller.choose(bucket, len(rows), sum(drafting))
-        if index == 0:
-            return False
-        if self.inflight is not None:  # drafts start from the text: settle the plain step queued before
-            self._read_inflight()
-            live = [(r, on) for r, on in zip(rows, drafting) if not r.done]
-            if not live:
-                return True
-            rows, drafting = [r for r, _ in live], [on for _, on in live]
-            bucket = spec.bucket(len(rows))
-        tier = spec.tiers[index]
-        for r, on in zip(rows, drafting):
-            assert r.drafts is not None
-            r.grow(spec.pool, r.cached + spec.max_nodes)
-            r.ints[TOKEN], r.ints[POSITION], r.ints[CARRY] = r.out[-1], r.cached, NOT_CARRIED
-            r.drafts[DRAFT_COUNT] = tier.num_nodes if on else 0
-            if on and spec.proposer.host_drafts:
-                guess = spec.proposer.host_draft(r.prompt_ids + r.out)[: tier.depth]
-                r.drafts[DRAFT_COUNT] = len(guess)
-                r.drafts[DRAFT_TOKENS : DRAFT_TOKENS + len(guess)] = guess
-        start = time.perf_counter()
-        out = spec.speculate(
-            *self._inputs(rows),
-            np.stack([r.drafts for r in rows if r.drafts is not None]),
-            index,
-        )
-        host = spec.readback.start(out).read()
-        now = time.perf_counter()
-        seconds = now - (start if self.last_read is None else self.last_read)  # read to read, like plain steps
-        self.last_read = now
-        accepted, tokens = [], []
-        for r, on, row in zip(rows, drafting, host):
-            n = row[-1]
-            r.cached += n + 1
-            r.pairs = n + 1
+        tier = spec.tiers[inflight.tier]
+        rows, tokens, accepted = [], [], []
+        for r, on, row in zip(inflight.rows, inflight.drafting, values):
+            n = row[COUNT]
+            r.cached += n
+            r.slack -= tier.depth
+            if not r.pending:  # its proposer's pairs to take in, unless a later step is queued already
+                r.pairs = n + 1
+            if r.done:
+                continue
             r.stats.record(tier.num_nodes - 1 if on else 0, tier.depth if on else 0, n)
+            rows.append(r)
             tokens.append(row[: n + 1])
-            if on and index:
+            if on:
                 accepted.append(n)
                 self._track(r, n, controller)
-        controller.timed_drafting(bucket, index, seconds, sum(len(t) for t in tokens) / len(rows))
-        controller.observe(index, accepted)
+        if seconds is not None and rows:
+            bucket = spec.bucket(len(inflight.rows))
+            controller.timed_drafting(bucket, inflight.tier, seconds, sum(len(t) for t in tokens) / len(rows))
+        controller.observe(inflight.tier, accepted)
         self._emit(rows, tokens)
-        return True
 
     def _inputs(self, rows: list[Request]) -> tuple[np.ndarray, np.ndarray]:
         """The rows' step inputs (ints, floats), gathered from their state rows."""

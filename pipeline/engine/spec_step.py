@@ -15,9 +15,9 @@ Rows whose drafts are switched off (a request that opted out, a host draft short
 only their root valid and get a plain step inside the same pass. The step's result stays on the device
 ([B, depth + 2]: the accepted tokens, the bonus token, then the count); the scheduler reads it in one copy.
 On CUDA each (batch bucket, tier, sampling mode) replays a graph captured on first use.
-A plain-tier step (`decode`) emits one token a row whatever happens, so, like a plain engine's step, it is
-queued before the host has read the step before: a row's root may come from that step's output on the
-device (its CARRY column), and the proposer's state was already updated on the device.
+Every step, drafting or plain, is queued before the host has read the step before: a row whose CARRY column
+names its row in that step takes its root and its cached length from that step's result on the device
+(the host knows neither until it reads), and the proposer's state was already updated on the device.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ from pipeline.engine.tree import Choices, TreeBuffers, build_tree, chain_buffers
 # Columns of a row's draft input: how many of the tier's draft nodes the row may accept (0: a plain step
 # for this row; a host draft's length), then its host draft tokens (n-gram).
 DRAFT_COUNT, DRAFT_TOKENS = 0, 1
+# Columns of a row's step result after its depth + 1 tokens (the accepted drafts, then the token after the
+# last of them): the accepted count, that last token again (the next step's root) and the row's cached
+# length after the step (the next step's position).
+COUNT, NEXT_ROOT, NEXT_LENGTH = -3, -2, -1
 
 
 @dataclass(frozen=True)
@@ -176,10 +180,12 @@ class SpecStep(BatchStep):
     ):
         self.proposer = proposer
         self.max_nodes = max(t.num_nodes for t in proposer.tiers)
-        super().__init__(target, pool, max_batch_size, max_seq_len + self.max_nodes)
-        self.capture_layers = proposer.capture_layers
+        self.max_depth = max(t.depth for t in proposer.tiers)
         self.draft_width = 1 + proposer.host_drafts
-        self.spec_buffers: dict[int, torch.Tensor] = {}
+        # A row's table covers the tree past its text, and the drafts a step not read yet may have accepted.
+        super().__init__(target, pool, max_batch_size, max_seq_len + self.headroom)
+        self.capture_layers = proposer.capture_layers
+        self.last_length = torch.zeros_like(self.last)  # each row's cached length after the last step
         self.spec_graphs: dict[tuple[int, int, str, bool], CapturedStep] = {}
         # The plain tier runs at every load: compiled (CUDA), it costs what a plain engine's step does, so
         # that falling back to plain steps never costs more than plain decoding. The tree tiers' graphs are
@@ -189,6 +195,12 @@ class SpecStep(BatchStep):
     @property
     def tiers(self) -> list[Tier]:
         return self.proposer.tiers
+
+    @property
+    def headroom(self) -> int:
+        """Sequence indices past a request's text its table may need: a tree, after the largest count of
+        accepted drafts a step in flight may add."""
+        return self.max_nodes + self.max_depth + 1
 
     def bucket(self, rows: int) -> int:
         """The batch bucket a step of `rows` rows runs in (its graphs' and its cost's key)."""
@@ -201,39 +213,36 @@ class SpecStep(BatchStep):
         """A plain-tier step (no drafts): [B] next tokens on the device, as BatchStep.decode returns them,
         kept for a next step queued before the host reads these (its rows' CARRY).
         settled: no row's last step accepted drafts, so a proposer catches up on one pair a row."""
-        tokens = self.speculate(ints, floats, None, 0, settled)[:, 0]
-        self.last[: tokens.shape[0]].copy_(tokens)
-        return tokens
+        return self.speculate(ints, floats, None, 0, settled)[:, 0]
 
     def speculate(
         self, ints: np.ndarray, floats: np.ndarray, drafts: np.ndarray | None, tier: int, settled: bool = False
     ) -> torch.Tensor:
-        """One speculative step of tier `tier` for B rows (ints: TOKEN = root unless CARRY names a row of
-        the step before, POSITION = cached length, the table covering length + the tier's nodes; drafts
-        None: none) -> [B, depth + 2] on the device."""
+        """One speculative step of tier `tier` for B rows (ints: TOKEN = root and POSITION = cached length
+        unless CARRY names a row of the step before, the table covering length + headroom; drafts None:
+        none) -> [B, depth + 4] on the device: depth + 1 tokens, then COUNT, NEXT_ROOT, NEXT_LENGTH."""
         rows = ints.shape[0]
         mode = step_mode(floats, ints)
         if not self.capture:
             host = np.zeros((rows, self.draft_width), dtype=np.int64) if drafts is None else drafts
-            return self._speculate(
+            out = self._speculate(
                 torch.from_numpy(ints), torch.from_numpy(floats), torch.from_numpy(host), tier, mode, settled
             )
-        bucket = next(b for b in self.buckets if b >= rows)
-        x = self.buffers[bucket]
-        x.fill(ints, floats)
-        if bucket not in self.spec_buffers:
-            self.spec_buffers[bucket] = torch.zeros(bucket, self.draft_width, dtype=torch.long, device=self.device)
-        d = self.spec_buffers[bucket]
-        d.zero_()
-        if drafts is not None:  # a plain step queued ahead copies nothing from pageable host memory
-            d[:rows].copy_(torch.from_numpy(drafts), non_blocking=False)
-        key = (bucket, tier, mode, settled)
-        if key not in self.spec_graphs:
-            run = self.compiled_plain if tier == 0 else self._speculate
-            self.spec_graphs[key] = CapturedStep(
-                lambda: run(x.ints, x.floats, d, tier, mode, settled), self.pool_handle
-            )
-        return self.spec_graphs[key]()[:rows]
+        else:
+            bucket = next(b for b in self.buckets if b >= rows)
+            x = self.buffers[bucket]
+            x.fill(ints, floats, drafts)
+            key = (bucket, tier, mode, settled)
+            if key not in self.spec_graphs:
+                run = self.compiled_plain if tier == 0 else self._speculate
+                self.spec_graphs[key] = CapturedStep(
+                    lambda: run(x.ints, x.floats, x.drafts, tier, mode, settled), self.pool_handle
+                )
+            out = self.spec_graphs[key]()
+        # Outside the graph: its warm-up runs before capture must all read the same carried values.
+        self.last[: out.shape[0]].copy_(out[:, NEXT_ROOT])
+        self.last_length[: out.shape[0]].copy_(out[:, NEXT_LENGTH])
+        return out[:rows]
 
     def _speculate(
         self,
@@ -246,8 +255,10 @@ class SpecStep(BatchStep):
     ) -> torch.Tensor:
         tier = self.tiers[tier_index]
         ints, floats, drafts = ints.to(self.device), floats.to(self.device), drafts.to(self.device)
-        lengths, table, carry = ints[:, POSITION], ints[:, TABLE:], ints[:, CARRY]
-        roots = torch.where(carry >= 0, self.last[carry.clamp(min=0)], ints[:, TOKEN])
+        table, carry = ints[:, TABLE:], ints[:, CARRY]
+        carried, source = carry >= 0, carry.clamp(min=0)
+        roots = torch.where(carried, self.last[source], ints[:, TOKEN])
+        lengths = torch.where(carried, self.last_length[source], ints[:, POSITION])
         # Eager steps (CPU) read only as far as the longest row's tree; captured ones read the whole table.
         longest = None if self.capture else int(lengths.max())
         table_len = table.shape[1] * self.pool.block_size
@@ -268,7 +279,8 @@ class SpecStep(BatchStep):
         done = Verified(path, num, out, hidden, captured)
         self._compact(table, lengths, path)
         self.proposer.accepted(rows, tier, done)
-        return torch.cat([out, num[:, None]], dim=1)
+        following = out.gather(1, num[:, None])
+        return torch.cat([out, num[:, None], following, (lengths + num + 1)[:, None]], dim=1)
 
     def _verify(
         self,

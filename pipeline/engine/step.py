@@ -35,6 +35,7 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 # whose output it feeds instead of TOKEN (-1: none), the request's row in a proposer's state (speculative
 # steps; 0 is a scratch row the padding rows use), then the block table.
 TOKEN, POSITION, TOP_K, SEED, CARRY, STATE, TABLE = 0, 1, 2, 3, 4, 5, 6
+NOT_CARRIED = -1  # a row's CARRY column when its token comes from the host
 # Columns of a row's float input.
 TEMPERATURE, TOP_P = 0, 1
 
@@ -48,35 +49,46 @@ def step_mode(floats: np.ndarray, ints: np.ndarray) -> str:
 
 
 class _Buffers:
-    """A bucket's static inputs: graphs read them at fixed addresses, the host fills them before each replay."""
+    """A bucket's static inputs: graphs read them at fixed addresses, the host fills them before each replay.
+    A speculative step's buckets also hold each row's draft input (draft_width columns)."""
 
-    def __init__(self, rows: int, max_blocks: int, device: torch.device):
+    def __init__(self, rows: int, max_blocks: int, device: torch.device, draft_width: int = 0):
         self.ints = torch.zeros(rows, TABLE + max_blocks, dtype=torch.long, device=device)
         self.floats = torch.zeros(rows, 2, device=device)
-        self.host_ints = torch.zeros(self.ints.shape, dtype=torch.long)
-        self.host_floats = torch.zeros(self.floats.shape)
+        self.drafts = torch.zeros(rows, draft_width, dtype=torch.long, device=device)
+        pin = device.type == "cuda"
+        self.host_ints = torch.zeros(self.ints.shape, dtype=torch.long, pin_memory=pin)
+        self.host_floats = torch.zeros(self.floats.shape, pin_memory=pin)
+        self.host_drafts = torch.zeros(self.drafts.shape, dtype=torch.long, pin_memory=pin)
         self.copied: torch.cuda.Event | None = None  # recorded after the last copy out of the host buffers
-        if device.type == "cuda":
-            self.host_ints, self.host_floats = self.host_ints.pin_memory(), self.host_floats.pin_memory()
 
-    def fill(self, ints: np.ndarray, floats: np.ndarray) -> None:
-        """The step's rows into the host buffers (padding rows: position 0 of the scratch block, greedy), then
-        to the device. The step before may still be queued, with its copy out of these same host buffers
-        behind it: that copy must have run before the host writes them again."""
+    def fill(self, ints: np.ndarray, floats: np.ndarray, drafts: np.ndarray | None = None) -> None:
+        """The step's rows into the host buffers (padding rows: position 0 of the scratch block, greedy, no
+        carried token, no drafts), then to the device. The step before may still be queued, with its copy out
+        of these same host buffers behind it: that copy must have run before the host writes them again."""
         if self.copied is not None:
             self.copied.synchronize()
         rows = ints.shape[0]
         host_ints, host_floats = self.host_ints.numpy(), self.host_floats.numpy()
         host_ints[:rows], host_floats[:rows] = ints, floats
         host_ints[rows:] = 0
+        host_ints[rows:, CARRY] = NOT_CARRIED
         host_floats[rows:] = (0.0, 1.0)
         self.ints.copy_(self.host_ints, non_blocking=True)
         self.floats.copy_(self.host_floats, non_blocking=True)
+        if self.drafts.shape[1]:
+            host_drafts = self.host_drafts.numpy()
+            host_drafts[:] = 0
+            if drafts is not None:
+                host_drafts[:rows] = drafts
+            self.drafts.copy_(self.host_drafts, non_blocking=True)
         self.copied = torch.cuda.Event()
         self.copied.record()
 
 
 class BatchStep:
+    draft_width = 0  # draft input columns a row carries (speculative steps)
+
     def __init__(self, target: Transformer, pool: BlockPool, max_batch_size: int, max_seq_len: int):
         self.target, self.pool = target, pool
         self.device = target.lm_head.weight.device
@@ -86,7 +98,9 @@ class BatchStep:
         self.capture = self.device.type == "cuda"
         self.pool_handle = torch.cuda.graph_pool_handle() if self.capture else None
         self.compiled = Compiled(self._decode, None if self.capture else False)
-        self.buffers = {b: _Buffers(b, self.max_blocks, self.device) for b in self.buckets} if self.capture else {}
+        self.buffers: dict[int, _Buffers] = {}
+        if self.capture:
+            self.buffers = {b: _Buffers(b, self.max_blocks, self.device, self.draft_width) for b in self.buckets}
         self.graphs: dict[tuple[int, str], CapturedStep] = {}
         self.readback = Readback()  # a step's tokens on their way to the host while the next step runs
         self.last = torch.zeros(self.buckets[-1], dtype=torch.long, device=self.device)  # the last step's tokens
@@ -96,7 +110,9 @@ class BatchStep:
 
     def new_row(self) -> tuple[np.ndarray, np.ndarray]:
         """A request's step inputs (ints, floats), kept by the scheduler and updated in place."""
-        return np.zeros(TABLE + self.max_blocks, dtype=np.int64), np.zeros(2, dtype=np.float32)
+        ints = np.zeros(TABLE + self.max_blocks, dtype=np.int64)
+        ints[CARRY] = NOT_CARRIED
+        return ints, np.zeros(2, dtype=np.float32)
 
     def decode(self, ints: np.ndarray, floats: np.ndarray) -> torch.Tensor:
         """One token a row: ints [B, TABLE + blocks] and floats [B, 2] as laid out above (each row's table

@@ -9,6 +9,11 @@ well above device: the host (the scheduler's loop, the clients) sets the step ti
 
   python -m pipeline.bench.probes.batch_step base paged_decode_rows=2/16 --rows 1,8,64
   python -m pipeline.bench.probes.batch_step base --device cpu --shape tiny --rows 1,4 --tokens 24   # smoke test
+
+--draft eagle adds an engine with a random EAGLE drafter: each of its tiers (--tiers) runs alone (the
+controller's policy set to it) for the same rows, with the same measures plus `wall`, the controller's
+read-to-read seconds a step of that tier. Random drafts are rejected, so a drafting step emits one token a
+row: served and wall are the step's time.
 """
 
 from __future__ import annotations
@@ -17,13 +22,16 @@ import argparse
 import json
 import statistics
 import time
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from pipeline.bench.load import random_engine
 from pipeline.bench.probes.variants import HELP, parse_variants
-from pipeline.bench.speed import SHAPES, _IdsOnly, random_model
-from pipeline.engine.config import EngineLimits, SpecConfig
+from pipeline.bench.speed import SHAPES
+from pipeline.engine.graphs import CapturedStep
 from pipeline.engine.kernels.routing import attach
 from pipeline.engine.request import SamplingParams
 from pipeline.engine.runner import Engine
@@ -47,11 +55,8 @@ def served_ms(engine: Engine, prompt: list[int], rows: int, tokens: int) -> floa
     return statistics.median(gaps) * 1e3
 
 
-def device_ms(engine: Engine, rows: int) -> tuple[float, float]:
-    """(ms a replay of the rows' bucket's greedy decode graph, kernels a replay)."""
-    batch = engine.scheduler.batch
-    bucket = next(b for b in batch.buckets if b >= rows)
-    graph = batch.graphs[(bucket, "greedy")]
+def device_ms(graph: CapturedStep) -> tuple[float, float, dict[str, float]]:
+    """(ms a replay of a captured step, back to back; kernels a replay; the kernels a replay by name)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph()
     start.record()
@@ -65,8 +70,38 @@ def device_ms(engine: Engine, rows: int) -> tuple[float, float]:
         for _ in range(PROFILED_REPLAYS):
             graph()
         torch.cuda.synchronize()
-    kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
-    return start.elapsed_time(end) / REPLAYS, kernels / PROFILED_REPLAYS
+    names = Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    by_name = {n[:80]: c / PROFILED_REPLAYS for n, c in names.most_common()}
+    return start.elapsed_time(end) / REPLAYS, sum(names.values()) / PROFILED_REPLAYS, by_name
+
+
+def plain_rows(engine: Engine, name: str, prompt: list[int], rows: int, tokens: int) -> dict:
+    row = {"variant": name, "tier": "-", "rows": rows, "served_ms": served_ms(engine, prompt, rows, tokens)}
+    if engine.device.type == "cuda":
+        batch = engine.scheduler.batch
+        bucket = next(b for b in batch.buckets if b >= rows)
+        row["device_ms"], row["kernels"], row["by_name"] = device_ms(batch.graphs[(bucket, "greedy")])
+    return row
+
+
+def tier_rows(engine: Engine, name: str, prompt: list[int], rows: int, tokens: int, tiers: list[str]) -> list[dict]:
+    """Each tier run alone for `rows` requests: served, the controller's wall, device ms and kernels."""
+    spec, controller = engine.scheduler.spec, engine.scheduler.controller
+    assert spec is not None and controller is not None
+    out = []
+    for tier in tiers or controller.names:
+        index = controller.names.index(tier)
+        controller.config = replace(controller.config, policy=tier)
+        served_ms(engine, prompt, rows, rows + 16)  # captures the tier's graph in this bucket
+        row = {"variant": name, "tier": tier, "rows": rows, "served_ms": served_ms(engine, prompt, rows, tokens)}
+        bucket = spec.bucket(rows)
+        row["wall_ms"] = controller.costs(bucket)[index] * 1e3
+        if engine.device.type == "cuda":
+            graph = spec.spec_graphs[(bucket, index, "greedy", index == 0)]
+            row["device_ms"], row["kernels"], row["by_name"] = device_ms(graph)
+        out.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "by_name"}), flush=True)
+    return out
 
 
 def main() -> None:
@@ -77,45 +112,41 @@ def main() -> None:
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument(
-        "--max-seq-len", type=int, default=2048, help="the engine's cache a row (make build-engines builds 2048)"
-    )
+    ap.add_argument("--draft", choices=("eagle",), default=None, help="also a random EAGLE drafter's tiers")
+    ap.add_argument("--tiers", type=lambda s: s.split(","), default=[], help="with --draft: these tiers (all)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args()
     variants = parse_variants(ap, args.variants)
     if args.tokens <= max(args.rows) + 8:
         ap.error(f"--tokens {args.tokens}: give more than the most rows + 8, so that every row decodes a while")
-    if args.prompt_tokens + args.tokens > args.max_seq_len:
-        ap.error(f"--prompt-tokens + --tokens exceed --max-seq-len {args.max_seq_len}")
 
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = SHAPES[args.shape]
-    target = random_model(shape, device, dtype)
     prompt = torch.randint(shape.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
-    limits = EngineLimits(max(args.rows), args.prompt_tokens, args.max_seq_len, 0)
     results = []
     with torch.inference_mode():
         for name, tuning in variants.items():
-            start = time.time()
-            engine = Engine(target, _IdsOnly(), limits, SpecConfig(), serving=SchedulerConfig())
-            if device.type == "cuda":
-                attach(target, tuning=tuning)  # before any of this engine's graphs is captured
-            for rows in args.rows:  # compiles and captures the rows' bucket
-                served_ms(engine, prompt, rows, rows + 16)
-            print(f"{name}: compiled and captured in {time.time() - start:.1f} s", flush=True)
-            for rows in args.rows:
-                row = {"variant": name, "rows": rows, "served_ms": served_ms(engine, prompt, rows, args.tokens)}
+            for draft in [None] + ([args.draft] if args.draft else []):
+                start = time.time()
+                engine = random_engine(shape, device, max(args.rows), draft, SchedulerConfig())
                 if device.type == "cuda":
-                    row["device_ms"], row["kernels"] = device_ms(engine, rows)
-                results.append(row)
-                print(json.dumps(row), flush=True)
-            del engine
-    print(f"\n{'variant':<28} {'rows':>5} {'served ms':>10} {'device ms':>10} {'kernels':>8} {'tok/s':>9}")
+                    attach(engine.target, tuning=tuning)  # before any of this engine's graphs is captured
+                for rows in args.rows:  # compiles and captures the rows' bucket (every tier's: calibration)
+                    served_ms(engine, prompt, rows, rows + 16)
+                print(f"{name} {draft or 'plain'}: compiled and captured in {time.time() - start:.1f} s", flush=True)
+                for rows in args.rows:
+                    if draft:
+                        results += tier_rows(engine, name, prompt, rows, args.tokens, args.tiers)
+                    else:
+                        results.append(plain_rows(engine, name, prompt, rows, args.tokens))
+                        print(json.dumps({k: v for k, v in results[-1].items() if k != "by_name"}), flush=True)
+                del engine
+    head = f"{'variant':<24} {'tier':<7} {'rows':>5} {'served ms':>10} {'wall ms':>8} {'device ms':>10} {'kernels':>8}"
+    print("\n" + head)
     for r in results:
         dev = f"{r['device_ms']:>10.3f} {r['kernels']:>8.0f}" if "device_ms" in r else f"{'-':>10} {'-':>8}"
-        tokens_per_s = r["rows"] / r["served_ms"] * 1e3
-        print(f"{r['variant']:<28} {r['rows']:>5} {r['served_ms']:>10.3f} {dev} {tokens_per_s:>9.0f}")
+        wall = f"{r['wall_ms']:>8.3f}" if "wall_ms" in r else f"{'-':>8}"
+        print(f"{r['variant']:<24} {r['tier']:<7} {r['rows']:>5} {r['served_ms']:>10.3f} {wall} {dev}")
     if args.json:
         args.json.write_text(json.dumps({"shape": args.shape, "results": results}, indent=1))
 
