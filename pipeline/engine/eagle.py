@@ -439,24 +439,21 @@ class EagleRows:
         top = tokens.new_zeros(b, t, k)
         top[:, 0] = self.net.top_logp(root_hidden, k)[1]
         lengths = rows.lengths[:, None]
-        for depth, nodes in enumerate(tier.levels, start=1):
-            parents = tier.tree.parents[nodes]
-            ranks = tier.tree.ranks[nodes]
-            tokens[:, nodes] = top[:, parents].gather(2, ranks[None, :, None].expand(b, -1, 1))[..., 0]
+        for depth, level in enumerate(tier.levels, start=1):
+            nodes, parents = level.nodes, level.parents
+            tokens[:, nodes] = top[:, parents].gather(2, level.ranks[None, :, None].expand(b, -1, 1))[..., 0]
             if depth == tier.depth:
                 break
             n = nodes.shape[0]
-            seq = lengths + nodes[None, :] - 1
-            ancestors = lengths[:, :, None] + tier.paths[nodes][None, :, 1 : depth + 1] - 1  # [B, n, depth]
             out = self._forward(
                 tokens[:, nodes],
                 node_hidden[:, parents],
                 (lengths + depth - 1).expand(b, n),
-                self.pool.slots(rows.table, seq),
+                self.pool.slots(rows.table, lengths + level.ancestors[None, :, -1]),  # node i at length + i - 1
                 rows.table,
                 attn_len,
                 lengths.expand(b, n),
-                ancestors,
+                lengths[:, :, None] + level.ancestors[None],  # [B, n, depth]
                 torch.full((b, n), depth, dtype=torch.long, device=tokens.device),
             )
             node_hidden[:, nodes] = out

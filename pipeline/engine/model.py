@@ -100,6 +100,7 @@ class Rotary(nn.Module):
 
     def __init__(self, head_size: int, theta: float, scaling: dict[str, Any] | None, max_positions: int):
         super().__init__()
+        self.head_size = head_size
         inv_freq = rope_inv_freq(head_size, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
@@ -256,7 +257,7 @@ class Attention(nn.Module):
         """q [B, T, H, D] over each row's cached sequence in the block pool -> [B, T, H, D]. Decode and tree
         steps on CUDA go through the paged kernel; otherwise each row's sequence is gathered for SDPA."""
         pool = paged.pool
-        if q.is_cuda and paged.region is not None and self.head_size & (self.head_size - 1) == 0:
+        if paged_kernel(paged, self.head_size):
             from pipeline.engine.paged_attention import paged_attention
 
             assert paged.prefix is not None and paged.count is not None
@@ -264,6 +265,8 @@ class Attention(nn.Module):
                 q, pool.k[layer], pool.v[layer], paged.table, paged.prefix, paged.region, paged.count, pool.block_size
             )
         keys, values = pool.gather(layer, paged.table, paged.attn_len)
+        if mask is None:  # the context left it to the kernel: a head size the kernel does not take
+            mask = paged_mask(paged)[:, None]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             keys.transpose(1, 2),
@@ -428,24 +431,36 @@ def decode_context(cache: KVCache, rotary: Rotary, lengths: torch.Tensor, attn_l
     return ForwardContext(positions, positions, cache, attn_len, visible[:, None, None, :], False, rotary)
 
 
+def paged_kernel(view: PagedView, head_size: int) -> bool:
+    """Whether attention over `view` runs the paged kernel (decode and tree steps on CUDA), which reads
+    the prefix and region itself; otherwise each row's sequence is gathered for SDPA under a mask."""
+    return view.positions.is_cuda and view.region is not None and head_size & (head_size - 1) == 0
+
+
+def paged_mask(view: PagedView) -> torch.Tensor:
+    """[B, T, attn_len] bool: token t of row b may read sequence index i (see paged_context)."""
+    ids = torch.arange(view.attn_len, device=view.positions.device)
+    if view.region is None:
+        return ids <= view.positions[:, :, None]
+    assert view.prefix is not None and view.count is not None
+    used = torch.arange(view.region.shape[-1], device=ids.device) < view.count[..., None]
+    in_region = ((ids == view.region[..., None]) & used[..., None]).any(-2)
+    return (ids < view.prefix[..., None]) | in_region
+
+
 def paged_context(view: PagedView, rotary: Rotary) -> ForwardContext:
     """Context for a batched step over the block pool. Token t of row b (at view.positions[b, t]) reads its
     row's sequence below view.prefix[b, t] and then its region (decode and tree steps), or, without a
-    region (a prefill chunk), every index up to and including its own position."""
-    ids = torch.arange(view.attn_len, device=view.positions.device)
-    if view.region is None:
-        visible = ids <= view.positions[:, :, None]
-    else:
+    region (a prefill chunk), every index up to and including its own position. The mask is built only
+    where no paged kernel reads the region itself (the CPU, prefill chunks): a captured step that is not
+    compiled would otherwise build it, unread, in every replay."""
+    if view.region is not None:
         assert view.prefix is not None and view.count is not None
         # Contiguous once here, in the step's graph, rather than a copy in every layer's attention call.
         prefix, region, count = view.prefix.contiguous(), view.region.contiguous(), view.count.contiguous()
         view = replace(view, prefix=prefix, region=region, count=count)
-        used = torch.arange(region.shape[-1], device=ids.device) < count[..., None]
-        in_region = ((ids == region[..., None]) & used[..., None]).any(-2)
-        visible = (ids < prefix[..., None]) | in_region
-    return ForwardContext(
-        view.positions, view.slots, view.pool, view.attn_len, visible[:, None], False, rotary, paged=view
-    )
+    mask = None if paged_kernel(view, rotary.head_size) else paged_mask(view)[:, None]
+    return ForwardContext(view.positions, view.slots, view.pool, view.attn_len, mask, False, rotary, paged=view)
 
 
 class Transformer(nn.Module):

@@ -45,14 +45,28 @@ COUNT, NEXT_ROOT, NEXT_LENGTH = -3, -2, -1
 
 
 @dataclass(frozen=True)
+class Level:
+    """The nodes of one depth of a tier's tree, with what drafting them reads (constant tensors, so that a
+    captured step does not recompute them every replay)."""
+
+    nodes: torch.Tensor  # [n] node indices
+    parents: torch.Tensor  # [n] each node's parent
+    ranks: torch.Tensor  # [n] its rank among its parent's guesses
+    ancestors: torch.Tensor  # [n, depth] its path after the root, as offsets from the root's sequence index
+
+
+@dataclass(frozen=True)
 class Tier:
     """One static tree shape a step can run, with what verification needs precomputed."""
 
     name: str
     tree: TreeBuffers
     paths: torch.Tensor  # [T, depth + 1] node indices root .. node, padded with the node
-    children: torch.Tensor  # [T, C] each node's children in rank order, -1 padded
-    levels: tuple[torch.Tensor, ...]  # node indices at each depth 1 .. depth
+    levels: tuple[Level, ...]  # the nodes at each depth 1 .. depth
+    node_ids: torch.Tensor  # [T] 0 .. T - 1
+    counts: torch.Tensor  # [T] each node's path length, root included (depth + 1)
+    parent_or_root: torch.Tensor  # [T] each node's parent, the root its own
+    path_next: torch.Tensor  # [depth + 1] the path index after each: 1 .. depth, then depth again
 
     @property
     def num_nodes(self) -> int:
@@ -67,25 +81,29 @@ class Tier:
         tree = build_tree(choices) if choices else chain_buffers(0)
         parents = tree.parents.tolist()
         depth = tree.max_depth
-        paths: list[list[int]] = []
-        children: list[list[int]] = [[] for _ in parents]
-        for node, parent in enumerate(parents):
+        rows: list[list[int]] = []
+        for node in range(len(parents)):
             up = [node]
             while parents[up[-1]] >= 0:
                 up.append(parents[up[-1]])
             path = up[::-1]
-            paths.append(path + [node] * (depth + 1 - len(path)))
-            if parent >= 0:
-                children[parent].append(node)
-        width = max(1, max(len(c) for c in children))
-        kids = [c + [-1] * (width - len(c)) for c in children]
-        levels = tuple(torch.nonzero(tree.depths == d).flatten().to(device) for d in range(1, depth + 1))
+            rows.append(path + [node] * (depth + 1 - len(path)))
+        paths = torch.tensor(rows)
+        levels = []
+        for d in range(1, depth + 1):
+            nodes = torch.nonzero(tree.depths == d).flatten()
+            level = Level(nodes, tree.parents[nodes], tree.ranks[nodes], paths[nodes, 1 : d + 1] - 1)
+            levels.append(Level(*(t.to(device) for t in vars(level).values())))
+        steps = torch.arange(depth + 1)
         return cls(
             name,
             tree.to(device),
-            torch.tensor(paths, device=device),
-            torch.tensor(kids, device=device),
-            levels,
+            paths.to(device),
+            tuple(levels),
+            torch.arange(len(parents), device=device),
+            (tree.depths + 1).to(device),
+            tree.parents.clamp(min=0).to(device),
+            (steps + 1).clamp(max=depth).to(device),
         )
 
 
@@ -266,18 +284,21 @@ class SpecStep(BatchStep):
         rows = Drafting(roots, lengths, table, ints[:, STATE], drafts, draft_len, settled)
         tokens = self.proposer.draft(rows, tier)  # [B, T]
         t = tier.num_nodes
-        node_ids = torch.arange(t, device=self.device)
         positions = lengths[:, None] + tier.tree.depths[None, :]
-        seq = lengths[:, None] + node_ids[None, :]
+        seq = lengths[:, None] + tier.node_ids[None, :]
         region = lengths[:, None, None] + tier.paths[None]  # [B, T, depth + 1]
         attn_len = self.max_seq_len if longest is None else longest + t
-        count = (tier.tree.depths + 1)[None, :].expand(tokens.shape[0], -1)
+        count = tier.counts[None, :].expand(tokens.shape[0], -1)
         hidden, captured = self._verify(tokens, positions, self.pool.slots(table, seq), table, region, count, attn_len)
-        valid = node_ids[None, :] <= drafts[:, DRAFT_COUNT, None]
+        valid = tier.node_ids[None, :] <= drafts[:, DRAFT_COUNT, None]
         nxt = self._next_tokens(hidden, ints, floats, positions, mode)  # [B, T]: the token after each node
-        path, num, out = accept_rows(tier, tokens, nxt, valid)
+        if tier.depth:
+            path, num, out = accept_rows(tier, tokens, nxt, valid)
+        else:  # a plain step: the root's next token, nothing to accept
+            num = torch.zeros_like(lengths)
+            path, out = num[:, None], nxt
         done = Verified(path, num, out, hidden, captured)
-        self._compact(table, lengths, path)
+        self._compact(tier, table, lengths, path)
         self.proposer.accepted(rows, tier, done)
         following = out.gather(1, num[:, None])
         return torch.cat([out, num[:, None], following, (lengths + num + 1)[:, None]], dim=1)
@@ -298,13 +319,12 @@ class SpecStep(BatchStep):
         view = PagedView(self.pool, positions, slots, table, prefix[:, 0] + 1, attn_len, prefix, region, count)
         return self.target(tokens, paged_context(view, self.target.rotary), self.capture_layers)
 
-    def _compact(self, table: torch.Tensor, lengths: torch.Tensor, path: torch.Tensor) -> None:
+    def _compact(self, tier: Tier, table: torch.Tensor, lengths: torch.Tensor, path: torch.Tensor) -> None:
         """Each row's accepted path to sequence indices length .. length + depth, in every layer."""
-        if path.shape[1] == 1:
+        if tier.depth == 0:
             return  # the root is already in place
-        steps = torch.arange(path.shape[1], device=path.device)
         src = self.pool.slots(table, lengths[:, None] + path)
-        dst = self.pool.slots(table, lengths[:, None] + steps[None, :])
+        dst = self.pool.slots(table, lengths[:, None] + tier.node_ids[None, : tier.depth + 1])
         self.pool.move(src, dst)
 
     def _next_tokens(
@@ -345,14 +365,12 @@ def accept_rows(
     with nxt the target's own seeded draws it is lossless sampling whose output is plain sampling's.
     tokens, nxt, valid [B, T] -> (path [B, depth + 1], accepted count [B], tokens [B, depth + 1]: the
     accepted drafts, then the target's token after the last of them)."""
-    parent = tier.tree.parents.clamp(min=0)
-    ok = (tokens == nxt[:, parent]) & valid
+    ok = (tokens == nxt[:, tier.parent_or_root]) & valid
     ok[:, 0] = True
     path_ok = ~(tier.tree.mask[None] & ~ok[:, None, :]).any(-1)  # [B, T]: the whole root path matches
     best = torch.where(path_ok, tier.tree.depths[None, :], -1).argmax(-1)  # the deepest, first on ties
     path = tier.paths[best]
     num = tier.tree.depths[best]
-    steps = torch.arange(tier.depth + 1, device=tokens.device)
-    drafted = tokens.gather(1, path[:, (steps + 1).clamp(max=tier.depth)])
-    out = torch.where(steps[None, :] < num[:, None], drafted, nxt.gather(1, best[:, None]))
+    drafted = tokens.gather(1, path[:, tier.path_next])
+    out = torch.where(tier.node_ids[None, : tier.depth + 1] < num[:, None], drafted, nxt.gather(1, best[:, None]))
     return path, num, out
