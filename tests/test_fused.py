@@ -141,7 +141,7 @@ def test_drafter_kernels_take_half_weights_on_the_devices_named_only(monkeypatch
     x = torch.tensor([3.0, 1.0, 2.0])
     assert [t.tolist() for t in TORCH_TOPK.topk(x, 2)] == [[3.0, 2.0], [0, 2]]
     fits = DrafterKernels(DEFAULT_TUNING).lm_head_topk_fits
-    assert fits(16, 16) and not fits(17, 8) and not fits(8, 32) and not TORCH_TOPK.lm_head_topk_fits(1, 1)
+    assert fits(128, 16) and not fits(129, 8) and not fits(8, 32) and not TORCH_TOPK.lm_head_topk_fits(1, 1)
 
 
 def test_the_default_tuning_is_the_engines():
@@ -172,10 +172,11 @@ def test_the_default_tuning_is_the_engines():
         t.draft_topk_tile,
         t.draft_topk_warps,
         t.draft_topk_max_rows,
+        t.draft_topk_fused_rows,
         t.draft_topk_max_k,
         t.draft_topk_block_h,
         t.row_topk_max,
-    ) == (256, 4, 16, 16, 64, 4096)
+    ) == (256, 4, 16, 128, 16, 64, 4096)
     for bad in ({"block_rows": 6}, {"float32_dot": "fast"}, {"rows_gemm_tile": (32, 256, 4)}):
         with pytest.raises(ValueError):
             dataclasses.replace(t, **bad)

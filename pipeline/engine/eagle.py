@@ -444,7 +444,7 @@ class EagleRows:
             tokens[:, nodes] = top[:, parents].gather(2, level.ranks[None, :, None].expand(b, -1, 1))[..., 0]
             if depth == tier.depth:
                 break
-            n = nodes.shape[0]
+            n = parents.shape[0]
             out = self._forward(
                 tokens[:, nodes],
                 node_hidden[:, parents],

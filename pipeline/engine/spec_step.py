@@ -46,10 +46,10 @@ COUNT, NEXT_ROOT, NEXT_LENGTH = -3, -2, -1
 
 @dataclass(frozen=True)
 class Level:
-    """The nodes of one depth of a tier's tree, with what drafting them reads (constant tensors, so that a
-    captured step does not recompute them every replay)."""
+    """The nodes of one depth of a tier's tree (contiguous: build_tree orders nodes by depth), with what
+    drafting them reads as constant tensors, so that a captured step does not recompute them every replay."""
 
-    nodes: torch.Tensor  # [n] node indices
+    nodes: slice  # node indices start .. stop
     parents: torch.Tensor  # [n] each node's parent
     ranks: torch.Tensor  # [n] its rank among its parent's guesses
     ancestors: torch.Tensor  # [n, depth] its path after the root, as offsets from the root's sequence index
@@ -91,9 +91,11 @@ class Tier:
         paths = torch.tensor(rows)
         levels = []
         for d in range(1, depth + 1):
-            nodes = torch.nonzero(tree.depths == d).flatten()
-            level = Level(nodes, tree.parents[nodes], tree.ranks[nodes], paths[nodes, 1 : d + 1] - 1)
-            levels.append(Level(*(t.to(device) for t in vars(level).values())))
+            ids = torch.nonzero(tree.depths == d).flatten().tolist()
+            nodes = slice(ids[0], ids[-1] + 1)
+            assert ids == list(range(nodes.start, nodes.stop)), "build_tree orders nodes by depth"
+            level = (tree.parents[nodes], tree.ranks[nodes], paths[nodes, 1 : d + 1] - 1)
+            levels.append(Level(nodes, *(t.to(device) for t in level)))
         steps = torch.arange(depth + 1)
         return cls(
             name,

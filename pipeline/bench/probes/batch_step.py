@@ -10,10 +10,10 @@ well above device: the host (the scheduler's loop, the clients) sets the step ti
   python -m pipeline.bench.probes.batch_step base paged_decode_rows=2/16 --rows 1,8,64
   python -m pipeline.bench.probes.batch_step base --device cpu --shape tiny --rows 1,4 --tokens 24   # smoke test
 
---draft eagle adds an engine with a random EAGLE drafter: each of its tiers (--tiers) runs alone (the
-controller's policy set to it) for the same rows, with the same measures plus `wall`, the controller's
-read-to-read seconds a step of that tier. Random drafts are rejected, so a drafting step emits one token a
-row: served and wall are the step's time.
+--draft eagle measures an engine with a random EAGLE drafter instead: each of its tiers (--tiers) runs alone
+(the controller's policy set to it, no request paused for its acceptance) for the same rows, with the same
+measures plus `wall`, the controller's read-to-read seconds a step of that tier. Random drafts are rejected,
+so a drafting step emits one token a row: served and wall are the step's time.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import time
-from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -55,8 +54,8 @@ def served_ms(engine: Engine, prompt: list[int], rows: int, tokens: int) -> floa
     return statistics.median(gaps) * 1e3
 
 
-def device_ms(graph: CapturedStep) -> tuple[float, float, dict[str, float]]:
-    """(ms a replay of a captured step, back to back; kernels a replay; the kernels a replay by name)."""
+def device_ms(graph: CapturedStep) -> tuple[float, float, dict[str, list[float]]]:
+    """(ms a replay of a captured step, back to back; kernels a replay; [kernels, µs] a replay by name)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph()
     start.record()
@@ -70,9 +69,14 @@ def device_ms(graph: CapturedStep) -> tuple[float, float, dict[str, float]]:
         for _ in range(PROFILED_REPLAYS):
             graph()
         torch.cuda.synchronize()
-    names = Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    by_name = {n[:80]: c / PROFILED_REPLAYS for n, c in names.most_common()}
-    return start.elapsed_time(end) / REPLAYS, sum(names.values()) / PROFILED_REPLAYS, by_name
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            entry = by_name.setdefault(e.name[:80], [0.0, 0.0])
+            entry[0] += 1 / PROFILED_REPLAYS
+            entry[1] += e.time_range.elapsed_us() / PROFILED_REPLAYS
+    kernels = sum(n for n, _ in by_name.values())
+    return start.elapsed_time(end) / REPLAYS, kernels, dict(sorted(by_name.items(), key=lambda kv: -kv[1][1]))
 
 
 def plain_rows(engine: Engine, name: str, prompt: list[int], rows: int, tokens: int) -> dict:
@@ -91,7 +95,7 @@ def tier_rows(engine: Engine, name: str, prompt: list[int], rows: int, tokens: i
     out = []
     for tier in tiers or controller.names:
         index = controller.names.index(tier)
-        controller.config = replace(controller.config, policy=tier)
+        controller.config = replace(controller.config, policy=tier, request_min_steps=tokens)
         served_ms(engine, prompt, rows, rows + 16)  # captures the tier's graph in this bucket
         row = {"variant": name, "tier": tier, "rows": rows, "served_ms": served_ms(engine, prompt, rows, tokens)}
         bucket = spec.bucket(rows)
@@ -112,7 +116,7 @@ def main() -> None:
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--draft", choices=("eagle",), default=None, help="also a random EAGLE drafter's tiers")
+    ap.add_argument("--draft", choices=("eagle",), default=None, help="a random EAGLE drafter's tiers instead")
     ap.add_argument("--tiers", type=lambda s: s.split(","), default=[], help="with --draft: these tiers (all)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args()
@@ -126,7 +130,7 @@ def main() -> None:
     results = []
     with torch.inference_mode():
         for name, tuning in variants.items():
-            for draft in [None] + ([args.draft] if args.draft else []):
+            for draft in [args.draft]:
                 start = time.time()
                 engine = random_engine(shape, device, max(args.rows), draft, SchedulerConfig())
                 if device.type == "cuda":

@@ -436,9 +436,9 @@ def check_topk(device: str) -> None:
     assert values.tolist() == [[2.0, 2.0, 2.0, 0.0, 0.0, -1.0]] and positions[0, :3].tolist() == [0, 2, 7]
     assert torch.equal(row_topk(x.to(half), 3)[0], x.to(half).topk(3).values)
 
-    # The drafter's LM head + log-softmax + top-k in one kernel: rows up to a tile, vocabularies and
-    # hidden sizes off the tiles, against the unfused ops; then dynamic trees drafted through it.
-    for rows, vocab, hidden, k in ((1, 1000, 48, 8), (8, 700, 100, 4), (16, 300, 64, 10)):
+    # The drafter's LM head + log-softmax + top-k in one kernel: rows in one tile and in several, vocabularies
+    # and hidden sizes off the tiles, against the unfused ops; then dynamic trees drafted through it.
+    for rows, vocab, hidden, k in ((1, 1000, 48, 8), (8, 700, 100, 4), (16, 300, 64, 10), (37, 300, 64, 5)):
         w = (torch.randn(vocab, hidden) * hidden**-0.5).to(half)
         h = (torch.randn(rows, hidden) * 3).to(half)
         logp, tok = lm_head_topk(h, w, k)

@@ -29,11 +29,11 @@ def _lm_head_topk_kernel(
     BLOCK_H: tl.constexpr,
     K: tl.constexpr,
 ):
-    """One vocabulary tile for every row: logits in float32, then the tile's k best (value, token), its
-    maximum and its sum of exp(logit - maximum), at [row, tile] of the outputs."""
+    """One vocabulary tile for one block of ROWS rows: logits in float32, then the tile's k best (value, token),
+    its maximum and its sum of exp(logit - maximum), at [row, tile] of the outputs."""
     tile = tl.program_id(0)
     tiles = tl.num_programs(0)
-    r = tl.arange(0, ROWS)
+    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_V)
     v = tile * BLOCK_V + cols
     acc = tl.zeros((ROWS, BLOCK_V), tl.float32)
@@ -63,10 +63,10 @@ def _lm_head_topk_kernel(
 def tiled_topk(
     h: torch.Tensor, weight: torch.Tensor, k: int, block_v: int, warps: int, max_rows: int, block_h: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """lm_head_topk's two kernels with vocabulary tiles of block_v rows, `warps` warps a program, a tile of
-    max_rows rows of h (at least h's) and block_h hidden columns a step."""
+    """lm_head_topk's two kernels with vocabulary tiles of block_v rows, `warps` warps a program, blocks of
+    max_rows rows of h (one tl.dot tile each; every block reads the weights) and block_h hidden columns a
+    step."""
     rows, hidden = h.shape
-    assert rows <= max_rows, "one tl.dot tile of rows"
     h, weight = h.contiguous(), weight.contiguous()
     vocab = weight.shape[0]
     tiles = triton.cdiv(vocab, block_v)
@@ -74,7 +74,7 @@ def tiled_topk(
     idx = torch.empty(rows, tiles * k, dtype=torch.int32, device=h.device)
     tile_max = torch.empty(rows, tiles, dtype=torch.float32, device=h.device)
     tile_sum = torch.empty_like(tile_max)
-    _lm_head_topk_kernel[(tiles,)](
+    _lm_head_topk_kernel[(tiles, triton.cdiv(rows, max_rows))](
         h,
         weight,
         val,

@@ -100,11 +100,13 @@ class KernelTuning:
     invariant_norm_warps: int = 4
 
     # --- A drafter's top-k's (EAGLE's nets, Medusa's heads).
-    # LM head, log-softmax and top-k in one kernel: each program takes draft_topk_tile vocabulary rows for all
-    # the depth's rows (at most draft_topk_max_rows, one tl.dot tile), draft_topk_block_h hidden columns a step.
+    # LM head, log-softmax and top-k in one kernel: each program takes draft_topk_tile vocabulary rows for a
+    # block of draft_topk_max_rows rows (one tl.dot tile), draft_topk_block_h hidden columns a step. Every block
+    # reads the whole head: past draft_topk_fused_rows rows torch's logits and top-k read it once instead.
     draft_topk_tile: int = 256
     draft_topk_warps: int = 4
     draft_topk_max_rows: int = 16
+    draft_topk_fused_rows: int = 128
     draft_topk_block_h: int = 64
     # The kernels unroll k rounds and the merge holds tiles * k candidates a row: beyond this k torch's ops win.
     draft_topk_max_k: int = 16
@@ -145,8 +147,8 @@ class KernelTuning:
         return self.float32_dot if dtype == torch.float32 else "tf32"
 
     def lm_head_topk_fits(self, rows: int, k: int) -> bool:
-        """Whether lm_head_topk takes `rows` rows (one tl.dot tile) and this k."""
-        return rows <= self.draft_topk_max_rows and k <= self.draft_topk_max_k
+        """Whether lm_head_topk takes `rows` rows and this k."""
+        return rows <= self.draft_topk_fused_rows and k <= self.draft_topk_max_k
 
 
 DEFAULT_TUNING = KernelTuning()
