@@ -319,3 +319,33 @@ def test_a_tier_that_delivers_less_than_plain_steps_is_not_chosen():
     controller.timed_drafting(4, 1, 1.2, 1.9)
     controller.timed_plain(4, 2.4)  # the plain step after it took 1.4 s more: 1.9 tokens in 2.6 s
     assert controller.choose(4, 4, 4) == 0
+
+
+def test_a_bucket_whose_windows_with_drafting_deliver_less_runs_plain_steps():
+    """Whatever the tiers' estimates say, windows with drafting allowed that deliver fewer tokens a second
+    than windows without (wall time, everything inside them counted) switch the bucket to plain steps,
+    but for one window in window_explore; and back when drafting delivers more."""
+    tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
+    now = [0.0]
+    controller = TierController(tiers, AdaptiveConfig(explore_every=10**6), clock=lambda: now[0])
+    controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 1.2] + [10.0] * (len(tiers) - 2)
+    controller.accepted[1] = 0.9  # the estimate says chain1 wins: 1.9 tokens a row in 1.2 s
+    steps = controller.config.window_steps
+
+    def window(tokens_a_second: dict[bool, float]) -> bool:
+        """One window's steps; True when it allowed drafting."""
+        chosen = [controller.choose(4, 4, 4) for _ in range(steps)]
+        drafting = controller.window is not None and controller.window.drafting
+        assert all(c == 1 for c in chosen) if drafting else all(c == 0 for c in chosen)
+        for _ in range(steps):
+            now[0] += 1.0
+            controller.emitted(4, int(tokens_a_second[drafting]))
+        return drafting
+
+    losing = {True: 3.0, False: 4.0}
+    modes = [window(losing) for _ in range(18)]
+    assert modes[:2] == [True, False]  # each mode measured once, then the better but for every 8th window
+    assert modes[2:].count(True) == 2
+    winning = {True: 6.0, False: 4.0}  # drafting's rate recovers in the windows that explore it
+    modes = [window(winning) for _ in range(32)]
+    assert modes[-8:].count(True) == 7

@@ -15,6 +15,12 @@ is queued behind no other and catches the drafter up on every accepted token: wh
 counts as the drafting step's, not as plain decoding's. A tier that has run in a bucket is credited at
 most the tokens a row a second it delivered there (that time included), whatever the estimate says: when
 the estimates are off by more than speculation's margin, what the tiers deliver still decides.
+
+Step times miss what drafting costs around the steps (a prefill waiting behind a longer step, the host's
+work a row), so a last guard measures the whole: steps run in windows of a bucket, most of them with
+drafting allowed and every few without (or the other way round, once windows without deliver more), and a
+window's rate is the tokens emitted over its wall time, whatever ran inside it. While a bucket's windows
+without drafting deliver more than its windows with it, the bucket runs plain steps.
 """
 
 from __future__ import annotations
@@ -50,6 +56,22 @@ class AdaptiveConfig:
     request_min_steps: int = 16
     request_pause: int = 64
     request_weight: float = 0.2
+    # Windows of window_steps steps of one bucket, drafting allowed or not; one window in window_explore runs
+    # the mode that delivered less; a window's rate moves its mode's mean by window_weight.
+    window_steps: int = 32
+    window_explore: int = 8
+    window_weight: float = 0.3
+
+
+@dataclass
+class Window:
+    """Steps of one bucket, drafting allowed or not: the tokens they emitted and since when."""
+
+    bucket: int
+    drafting: bool
+    start: float
+    steps: int = 0
+    tokens: int = 0
 
 
 @dataclass
@@ -68,6 +90,10 @@ class TierController:
     # The last drafting step's (bucket, tier, seconds, tokens a row), not counted yet.
     held: tuple[int, int, float, float] | None = None
     realized: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, tier) -> tokens a row a second
+    window: Window | None = None  # the window the steps run in
+    windows: int = 0  # windows opened
+    delivered: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, drafting) -> tokens a second
+    clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self) -> None:
         self.accepted = [0.0] + [None] * (len(self.tiers) - 1)
@@ -125,6 +151,8 @@ class TierController:
             return len(self.tiers) - 1
         if policy != "adaptive":
             return self.names.index(policy)
+        if not self._window(bucket).drafting:
+            return 0
         costs = self.costs(bucket)
         speed = [(rows + drafting * self.expected(i)) / costs[i] for i in range(len(self.tiers))]
         for i in range(1, len(speed)):  # a tier that has run here is worth at most what it delivered
@@ -142,6 +170,36 @@ class TierController:
                 break
         self.last_run[(bucket, best)] = self.steps
         return best
+
+    def _window(self, bucket: int) -> Window:
+        """The window a step of `bucket` runs in: the open one, or a new one (load moved to another bucket:
+        the open window is dropped, its rate would mix two)."""
+        if self.window is not None and self.window.bucket == bucket:
+            return self.window
+        self.windows += 1
+        with_drafting, without = self.delivered.get((bucket, True)), self.delivered.get((bucket, False))
+        if with_drafting is None or without is None:
+            drafting = with_drafting is None  # each mode's first window
+        else:
+            better = with_drafting >= without
+            drafting = better if self.windows % self.config.window_explore else not better
+        self.window = Window(bucket, drafting, self.clock())
+        return self.window
+
+    def emitted(self, bucket: int, tokens: int) -> None:
+        """A step of `bucket` was read with `tokens` new tokens: counted in its window, which closes after
+        window_steps steps with its rate (tokens over the wall time since it opened)."""
+        window = self.window
+        if window is None or window.bucket != bucket:
+            return
+        window.steps += 1
+        window.tokens += tokens
+        if window.steps < self.config.window_steps:
+            return
+        rate = window.tokens / max(self.clock() - window.start, 1e-9)
+        key, self.window = (bucket, window.drafting), None
+        seen = self.delivered.get(key)
+        self.delivered[key] = rate if seen is None else seen + self.config.window_weight * (rate - seen)
 
     def timed_plain(self, bucket: int, seconds: float | None) -> None:
         """A plain step of `bucket` was read `seconds` after the step before it (None: not measured). Right

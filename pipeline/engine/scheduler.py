@@ -387,12 +387,14 @@ class Scheduler:
         for r in inflight.rows:
             r.pending -= 1
         if inflight.tier == 0:
-            if self.spec is not None and self.controller is not None:
-                self.controller.timed_plain(self.spec.bucket(len(inflight.rows)), seconds)
-                self.controller.observe(0, [])
             live = [(r, t) for r, t in zip(inflight.rows, values) if not r.done]
             for r, _ in live:
                 r.stats.record(0, 0, 0)
+            if self.spec is not None and self.controller is not None:
+                bucket = self.spec.bucket(len(inflight.rows))
+                self.controller.timed_plain(bucket, seconds)
+                self.controller.observe(0, [])
+                self.controller.emitted(bucket, len(live))
             self._emit([r for r, _ in live], [[t] for _, t in live])
             return
         spec, controller = self.spec, self.controller
@@ -413,10 +415,11 @@ class Scheduler:
             if on:
                 accepted.append(n)
                 self._track(r, n, controller)
+        bucket = spec.bucket(len(inflight.rows))
         if seconds is not None and rows:
-            bucket = spec.bucket(len(inflight.rows))
             controller.timed_drafting(bucket, inflight.tier, seconds, sum(len(t) for t in tokens) / len(rows))
         controller.observe(inflight.tier, accepted)
+        controller.emitted(bucket, sum(len(t) for t in tokens))
         self._emit(rows, tokens)
 
     def _inputs(self, rows: list[Request]) -> tuple[np.ndarray, np.ndarray]:
