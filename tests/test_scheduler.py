@@ -261,14 +261,16 @@ def test_a_speculative_engine_serves_concurrent_requests_exactly(batched, tiny_l
 
 
 def test_chunks_a_consumer_has_not_taken_merge_in_order():
-    """A consumer behind the scheduler gets one chunk of every step's tokens since it last read; an error
-    after them still comes on its own; without merging (one request at a time) each chunk stays."""
+    """A consumer behind the scheduler gets one chunk of every step's tokens since it last read, but for the
+    first token, which comes alone; an error after them still comes on its own; without merging (one request
+    at a time) each chunk stays."""
     q = ChunkQueue()
     q.put(StreamChunk([1], False))
     q.put(StreamChunk([2, 3], False))
     q.put(StreamChunk([4], True, result=None))
+    assert q.get() == StreamChunk([1], False)
     got = q.get()
-    assert isinstance(got, StreamChunk) and got.token_ids == [1, 2, 3, 4] and got.finished
+    assert isinstance(got, StreamChunk) and got.token_ids == [2, 3, 4] and got.finished
     q.put(StreamChunk([5], False))
     q.put(RuntimeError("step failed"))
     assert q.get() == StreamChunk([5], False) and isinstance(q.get(), RuntimeError)

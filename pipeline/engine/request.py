@@ -33,16 +33,22 @@ class StreamChunk:
 class ChunkQueue:
     """A request's chunks on their way to its consumer; an exception ends the stream. With `merge`, chunks
     not taken yet merge into one (their tokens in order), so a consumer behind the scheduler takes several
-    steps' tokens in one wake-up rather than a wake-up a step."""
+    steps' tokens in one wake-up rather than a wake-up a step. The first chunk (the first token) stays alone:
+    a stream's first response is its time to first token, however late its consumer reads."""
 
     def __init__(self, merge: bool = True) -> None:
         self._items: deque[StreamChunk | BaseException] = deque()
         self._ready = threading.Condition(threading.Lock())
         self.merge = merge
+        self._first: StreamChunk | None = None
 
     def put(self, item: StreamChunk | BaseException) -> None:
         with self._ready:
             last = self._items[-1] if self._items else None
+            if self._first is None and isinstance(item, StreamChunk):
+                self._first = item
+            if last is self._first:
+                last = None  # the first chunk takes no other
             if self.merge and isinstance(item, StreamChunk) and isinstance(last, StreamChunk):
                 self._items[-1] = StreamChunk(last.token_ids + item.token_ids, item.finished, item.result)
                 return  # its consumer was woken for `last`

@@ -201,20 +201,23 @@ class Engine:
         with one request a prompt bucket so that every prefill graph exists too."""
         if self.device.type != "cuda":
             return
-        if isinstance(self.scheduler.step, SpecStep):  # every (bucket, tier)'s greedy graph, and its cost
-            self.scheduler.calibrate()
-            return
-        if self.batched:  # every batch bucket's decode graph, greedy and sampled (by default)
-            for rows in self.scheduler.batch.buckets:
+        if self.batched:
+            if isinstance(self.scheduler.step, SpecStep):  # every (bucket, tier)'s greedy graph, and its cost
+                self.scheduler.calibrate()
+            else:  # every batch bucket's decode graph, greedy and sampled (by default)
+                for rows in self.scheduler.batch.buckets:
+                    for temperature in temperatures:
+                        # Prompts are prefilled one an iteration: each request outlives the prefills of the
+                        # others, so that `rows` rows decode together at the end.
+                        tokens = rows + WARMUP_NEW_TOKENS
+                        params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=0, end_id=-1)
+                        streams = [self.stream([0], params) for _ in range(rows)]
+                        for chunks in streams:
+                            for _ in chunks:
+                                pass
+            for n in warm_up_prompt_lengths(self.limits):  # every prompt bucket's graph, each first-token mode
                 for temperature in temperatures:
-                    # Prompts are prefilled one an iteration: each request outlives the prefills of the
-                    # others, so that `rows` rows decode together at the end.
-                    tokens = rows + WARMUP_NEW_TOKENS
-                    params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=0, end_id=-1)
-                    streams = [self.stream([0], params) for _ in range(rows)]
-                    for chunks in streams:
-                        for _ in chunks:
-                            pass
+                    self.generate([0] * n, SamplingParams(max_tokens=1, temperature=temperature, seed=0, end_id=-1))
             return
         if self.graphs is None:
             return
