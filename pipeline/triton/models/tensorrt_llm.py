@@ -29,23 +29,11 @@ import triton_python_backend_utils as pb_utils
 from pipeline.engine.runner import Engine, RequestError, SamplingParams
 from pipeline.engine.sampling import EngineBusy
 from pipeline.engine.scheduler import SchedulerConfig
-
-# The Python backend's response path is not safe under concurrent sends from several threads
-# (seen: boost lock_exception and a segfault in libtriton_python with 4 streams): one lock for all.
-_SEND_LOCK = threading.Lock()
-
+from pipeline.triton.send import send, serialized
 
 # The launcher raises the server's stack limit (pipeline/triton/server.py: its HTTP parser's stack use), which
 # the stub inherits; request threads need no more than Python's usual stack.
 WORKER_STACK_BYTES = 8 * 1024 * 1024
-
-
-def _send(sender, response=None, flags=0):
-    with _SEND_LOCK:
-        if response is None:
-            sender.send(flags=flags)
-        else:
-            sender.send(response, flags=flags)
 
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -99,7 +87,7 @@ class SpecMetrics:
         self.tier_steps_seen = {}
 
     def _metric(self, name, description, kind, labels=None, **kwargs):
-        with _SEND_LOCK:  # metric updates go through the responses' shared-memory channel
+        with serialized():  # metric updates go through the responses' shared-memory channel
             family = self.families.get(name)
             if family is None:
                 family = pb_utils.MetricFamily(
@@ -129,7 +117,7 @@ class SpecMetrics:
         ):
             per_depth.append((self._depth_metric("drafted", depth), drafted))
             per_depth.append((self._depth_metric("accepted", depth), accepted))
-        with _SEND_LOCK:
+        with serialized():
             for key, value in counts.items():
                 self.metrics[key].increment(value)
             for metric, value in per_depth:
@@ -167,7 +155,7 @@ class SpecMetrics:
                     )
                     updates.append((metric, new))
                     self.tier_steps_seen[index] = steps
-            with _SEND_LOCK:
+            with serialized():
                 for metric, value in updates:
                     metric.increment(value)
                 current.set(tiers[self.controller.current].num_nodes)
@@ -266,14 +254,14 @@ class TritonPythonModel:
         try:
             self._generate(request, sender, arrival_ns)
         except RequestError as exc:
-            _send(sender, _error(exc, pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+            send(sender, _error(exc, pb_utils.TritonError.INVALID_ARG), flags=FINAL)
         except EngineBusy as exc:
-            _send(sender, _error(f"busy, retry later ({exc})", pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+            send(sender, _error(f"busy, retry later ({exc})", pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
         except Stopped as exc:
-            _send(sender, None if exc.code is None else _error(exc, exc.code), flags=FINAL)
+            send(sender, None if exc.code is None else _error(exc, exc.code), flags=FINAL)
         except Exception as exc:  # a bug must still end the request; the server keeps serving others
             traceback.print_exc()
-            _send(
+            send(
                 sender,
                 _error(f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL),
                 flags=FINAL,
@@ -288,7 +276,7 @@ class TritonPythonModel:
             event = self.stop_events.get(request.request_id())
         if event is not None:
             event.set()
-        _send(sender, flags=FINAL)
+        send(sender, flags=FINAL)
 
     def _check_running(self, request, stop_event):
         if request.is_cancelled():
@@ -360,7 +348,7 @@ class TritonPythonModel:
         if drafts is not None and drafts.size:
             # A BLS draft loop's verification call: one greedy pass, one response.
             ids = self.engine.verify_external(prompt, drafts.reshape(-1).tolist())[: params.max_tokens]
-            _send(
+            send(
                 sender,
                 pb_utils.InferenceResponse(output_tensors=self._tokens(ids if exclude_input else prompt + ids)),
                 flags=FINAL,
@@ -383,7 +371,7 @@ class TritonPythonModel:
                 self._check_running(request, stop_event)
                 pending.extend(chunk.token_ids)
                 if streaming and pending and not chunk.finished and self._ends_cleanly(pending):
-                    _send(sender, pb_utils.InferenceResponse(output_tensors=self._tokens(pending)))
+                    send(sender, pb_utils.InferenceResponse(output_tensors=self._tokens(pending)))
                     pending = []
         finally:
             stream.close()  # cancels the request in the engine if it is still running
@@ -418,7 +406,7 @@ class TritonPythonModel:
             outputs.append(_tensor("num_input_tokens", [len(result.prompt_token_ids)], np.int32))
         if want_counts[1]:
             outputs.append(_tensor("num_output_tokens", [len(result.token_ids)], np.int32))
-        _send(sender, pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
+        send(sender, pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
 
     def _ends_cleanly(self, tokens):
         return not self.engine.tokenizer.decode(tokens).endswith(REPLACEMENT_CHAR)

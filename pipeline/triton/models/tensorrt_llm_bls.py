@@ -21,6 +21,7 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from pipeline.triton.send import send
 from pipeline.triton.tensors import ENGINE_INPUT_OF, PREPROCESSING_INPUT_OF
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -63,22 +64,9 @@ CANCEL_POLL_S = 0.1  # how often a running request's cancel flag is read (one me
 # does not have (the HTTP generate endpoint turns unknown JSON fields into parameters).
 FRONTEND_PARAMETER_PREFIX = "triton_"
 
-# The Python backend's response path is not safe under concurrent sends from several threads
-# (seen: boost lock_exception and a segfault in libtriton_python with 4 streams): one lock for all.
-_SEND_LOCK = threading.Lock()
-
-
 # The launcher raises the server's stack limit (pipeline/triton/server.py: its HTTP parser's stack use), which
 # the stub inherits; request threads need no more than Python's usual stack.
 WORKER_STACK_BYTES = 8 * 1024 * 1024
-
-
-def _send(sender, response=None, flags=0):
-    with _SEND_LOCK:
-        if response is None:
-            sender.send(flags=flags)
-        else:
-            sender.send(response, flags=flags)
 
 
 class BlsError(Exception):
@@ -115,7 +103,7 @@ class Reply:
         with self.lock:
             if self.closed:
                 return
-            _send(self.sender, response, flags)
+            send(self.sender, response, flags)
             self.closed = bool(flags & FINAL)
 
     def cancel_if_asked(self):
@@ -124,7 +112,7 @@ class Reply:
             if self.closed or not self.request.is_cancelled():
                 return False
             error = pb_utils.TritonError("tensorrt_llm_bls: cancelled", pb_utils.TritonError.CANCELLED)
-            _send(self.sender, pb_utils.InferenceResponse(error=error), flags=FINAL)
+            send(self.sender, pb_utils.InferenceResponse(error=error), flags=FINAL)
             self.closed = True
             return True
 
