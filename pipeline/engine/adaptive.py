@@ -34,6 +34,11 @@ from pipeline.engine.spec_step import Tier
 POLICIES = ("adaptive", "off", "full")
 
 
+def moved(mean: float | None, value: float, weight: float) -> float:
+    """A running mean moved toward a new value by `weight` (the value itself when there is no mean yet)."""
+    return value if mean is None else mean + weight * (value - mean)
+
+
 @dataclass(frozen=True)
 class AdaptiveConfig:
     """How tiers are chosen (serve option --speculation)."""
@@ -196,10 +201,9 @@ class TierController:
         window.tokens += tokens
         if window.steps < self.config.window_steps:
             return
-        rate = window.tokens / max(self.clock() - window.start, 1e-9)
+        rate = window.tokens / (self.clock() - window.start)
         key, self.window = (bucket, window.drafting), None
-        seen = self.delivered.get(key)
-        self.delivered[key] = rate if seen is None else seen + self.config.window_weight * (rate - seen)
+        self.delivered[key] = moved(self.delivered.get(key), rate, self.config.window_weight)
 
     def timed_plain(self, bucket: int, seconds: float | None) -> None:
         """A plain step of `bucket` was read `seconds` after the step before it (None: not measured). Right
@@ -225,8 +229,8 @@ class TierController:
         the tier's record in this bucket."""
         seconds += excess
         self._timed(bucket, index, seconds)
-        rate, seen = tokens / seconds, self.realized.get((bucket, index))
-        self.realized[(bucket, index)] = rate if seen is None else seen + self.config.cost_weight * (rate - seen)
+        key = (bucket, index)
+        self.realized[key] = moved(self.realized.get(key), tokens / seconds, self.config.cost_weight)
 
     def _timed(self, bucket: int, index: int, seconds: float) -> None:
         """A step of tier `index` in `bucket` took `seconds`: the cost table moves toward it."""
@@ -234,10 +238,10 @@ class TierController:
             return
         w, plain = self.config.cost_weight, self.plain_cost[bucket]
         if index == 0:
-            self.plain_cost[bucket] = plain + w * (seconds - plain)
+            self.plain_cost[bucket] = moved(plain, seconds, w)
         else:
             ratio = self.ratio[bucket]
-            ratio[index] += w * (seconds / plain - ratio[index])
+            ratio[index] = moved(ratio[index], seconds / plain, w)
 
     def observe(self, index: int, accepted: list[int]) -> None:
         """A step of tier `index` ran and its drafting rows accepted `accepted` tokens."""
@@ -249,11 +253,11 @@ class TierController:
         w = max(self.config.acceptance_weight, len(accepted) / (self.config.prior_rows + rows))
         mean = sum(accepted) / len(accepted)
         seen = self.expected(index)
-        self.accepted[index] = seen + w * (mean - seen)
+        self.accepted[index] = moved(seen, mean, w)
         tier = self.tiers[index]
         if tier.name.startswith("chain"):  # a chain's per-depth acceptance is its top-1 path's
             for d in range(tier.depth):
                 reached = [n for n in accepted if n >= d]
                 if reached:
                     rate = sum(1 for n in reached if n > d) / len(reached)
-                    self.depth_acceptance[d] += self.config.acceptance_weight * (rate - self.depth_acceptance[d])
+                    self.depth_acceptance[d] = moved(self.depth_acceptance[d], rate, self.config.acceptance_weight)

@@ -230,8 +230,8 @@ class SpecStep(BatchStep):
         return np.zeros(self.draft_width, dtype=np.int64)
 
     def decode(self, ints: np.ndarray, floats: np.ndarray, settled: bool = False) -> torch.Tensor:
-        """A plain-tier step (no drafts): [B] next tokens on the device, as BatchStep.decode returns them,
-        kept for a next step queued before the host reads these (its rows' CARRY).
+        """A plain-tier step (no drafts): [B] next tokens on the device, as BatchStep.decode returns them (a
+        next step queued before the host reads these takes them, and the lengths, through its rows' CARRY).
         settled: no row's last step accepted drafts, so a proposer catches up on one pair a row."""
         return self.speculate(ints, floats, None, 0, settled)[:, 0]
 
