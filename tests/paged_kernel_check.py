@@ -95,7 +95,8 @@ def check_tree_nodes(device: str) -> None:
     that path is compacted behind the text; a batch of rows' trees in one call gives each row's own result."""
     torch.manual_seed(2)
     block, heads, kv_heads, head = 8, 4, 2, 16
-    parents = [-1, 0, 0, 1, 1, 2, 3]  # a tree of 7 nodes, 3 deep
+    # A tree of 11 nodes, 4 deep: two tiles of queries (8 a tile at 2 query heads a kv head).
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 6, 5, 0]
     paths = []
     for node in range(len(parents)):
         up = [node]
@@ -104,7 +105,7 @@ def check_tree_nodes(device: str) -> None:
         paths.append(up[::-1])
     width = max(len(p) for p in paths)
     for dtype in (torch.float32, torch.bfloat16):
-        prefixes = [5, 13, 1]
+        prefixes = [5, 45, 70]  # the longer ones read chunks of their text shared by the whole tile
         rows, nodes = len(prefixes), len(parents)
         blocks = -(-(max(prefixes) + nodes) // block)
         pool = BlockPool(1, 1 + rows * blocks, block, kv_heads, head, dtype, device)
