@@ -309,31 +309,35 @@ def test_the_plain_step_after_a_drafting_step_is_charged_to_the_drafting_tier():
     assert controller.costs(4)[1] == pytest.approx(1.5 + 0.1 * (3.0 - 1.5), rel=0.02)
 
 
-def test_a_tier_that_delivers_less_than_plain_steps_is_not_chosen():
-    """The estimate (acceptance over cost) says chain1 wins; what its steps delivered says it loses."""
+def test_a_drafting_tier_that_delivers_less_than_its_estimate_gives_way_to_another():
+    """The estimate (acceptance over cost) says chain1 beats chain2; what chain1's steps delivered says not."""
     tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
     controller = TierController(tiers, AdaptiveConfig(explore_every=10**6))
+    chain2 = controller.names.index("chain2")
     controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 1.2] + [10.0] * (len(tiers) - 2)
-    controller.accepted[1] = 0.9  # estimate: 1.9 tokens a row in 1.2 s, against plain's 1 in 1 s
+    controller.ratio[4][chain2] = 1.5
+    controller.accepted[1], controller.accepted[chain2] = 0.9, 1.2  # 1.9 / 1.2 s against 2.2 / 1.5 s a row
+    controller.last_run.update({(4, i): 0 for i in range(len(tiers))})  # none due for a re-run
     assert controller.choose(4, 4, 4) == 1
     controller.timed_drafting(4, 1, 1.2, 1.9)
     controller.timed_plain(4, 2.4)  # the plain step after it took 1.4 s more: 1.9 tokens in 2.6 s
-    assert controller.choose(4, 4, 4) == 0
+    assert controller.choose(4, 4, 4) == chain2
 
 
-def test_a_bucket_whose_windows_with_drafting_deliver_less_runs_plain_steps():
-    """Whatever the tiers' estimates say, windows with drafting allowed that deliver fewer tokens a second
-    than windows without (wall time, everything inside them counted) switch the bucket to plain steps,
-    but for one window in window_explore; and back when drafting delivers more."""
+def test_a_bucket_runs_the_mode_whose_windows_delivered_more():
+    """Plain or drafting is what the windows measured (wall time, everything inside them counted), whatever
+    the tiers' estimates say: the losing mode runs one window in window_explore while the two are close,
+    and fewer while it is far behind (exploring costs at most window_loss of the bucket's speed); drafting
+    windows draft in every step."""
     tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
     now = [0.0]
     controller = TierController(tiers, AdaptiveConfig(explore_every=10**6), clock=lambda: now[0])
-    controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 1.2] + [10.0] * (len(tiers) - 2)
-    controller.accepted[1] = 0.9  # the estimate says chain1 wins: 1.9 tokens a row in 1.2 s
-    steps = controller.config.window_steps
+    controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 3.0] + [10.0] * (len(tiers) - 2)
+    controller.accepted[1] = 0.5  # the estimate says plain wins: 1.5 tokens a row in 3 s against 1 in 1 s
+    steps, explore = controller.config.window_steps, controller.config.window_explore
 
     def window(tokens_a_second: dict[bool, float]) -> bool:
-        """One window's steps; True when it allowed drafting."""
+        """One window's steps; True when it drafted."""
         chosen = [controller.choose(4, 4, 4) for _ in range(steps)]
         drafting = controller.window is not None and controller.window.drafting
         assert all(c == 1 for c in chosen) if drafting else all(c == 0 for c in chosen)
@@ -342,10 +346,13 @@ def test_a_bucket_whose_windows_with_drafting_deliver_less_runs_plain_steps():
             controller.emitted(4, int(tokens_a_second[drafting]))
         return drafting
 
-    losing = {True: 3.0, False: 4.0}
-    modes = [window(losing) for _ in range(18)]
+    winning = {True: 41.0, False: 40.0}
+    modes = [window(winning) for _ in range(2 + 4 * explore)]
     assert modes[:2] == [True, False]  # each mode measured once, then the better but for every 8th window
-    assert modes[2:].count(True) == 2
-    winning = {True: 6.0, False: 4.0}  # drafting's rate recovers in the windows that explore it
-    modes = [window(winning) for _ in range(32)]
-    assert modes[-8:].count(True) == 7
+    assert modes[2:].count(False) == 4
+    close = {True: 39.0, False: 40.0}  # drafting falls just behind: plain wins, drafting explored as often
+    modes = [window(close) for _ in range(6 * explore)]
+    assert modes[-4 * explore :].count(True) == 4
+    far = {True: 10.0, False: 40.0}  # far behind: explored once in up to ceil(0.75 / 0.02) = 38 windows
+    modes = [window(far) for _ in range(4 * 38)]
+    assert 1 <= modes[-2 * 38 :].count(True) <= 3  # every 8th window would be 9

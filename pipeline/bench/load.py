@@ -222,7 +222,7 @@ def sweep(
 def controller_state(controller: TierController) -> dict[str, Any]:
     """What the controller believes after a level: each bucket's expected step ms a tier, each tier's expected
     accepted tokens a drafting row (for comparing its choices with what the tiers did), and the tokens a
-    second each bucket's windows delivered with drafting allowed and without."""
+    second each bucket's windows delivered, plain and drafting."""
     return {
         "step_ms": {b: [round(c * 1e3, 3) for c in controller.costs(b)] for b in sorted(controller.ratio)},
         "expected_accepted": [round(controller.expected(i), 3) for i in range(len(controller.tiers))],

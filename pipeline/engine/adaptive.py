@@ -1,30 +1,27 @@
-"""Which tier each speculative step runs: the one expected to emit the most tokens per second.
+"""Which tier each speculative step runs: plain or drafting by what each delivered, and which drafting tier
+by the tiers' expected tokens per second.
 
-For a step of B drafting rows in batch bucket b, tier t is worth (B + sum of the rows' expected accepted
-tokens under t) / cost[b][t]. A bucket's cost is its plain step's time, kept current from every plain step,
-times each tier's ratio to it: measured when the bucket is first used (the graphs are captured then
-anyway) and kept current from the steps that run. Whatever moves every step's time (longer contexts, a
-busy host, fewer rows than the bucket on an eager device) moves the plain time, which plain steps refresh
-all the time, so a tier that has not run lately is not judged on a stale absolute time.
-Expected acceptance comes from each tier's running mean of accepted tokens per drafting row; a tier not
-run yet is estimated from the running per-depth acceptance (P(depth d accepted | depth d - 1 was)),
-the chain's expectation at its depth. Every tier within reach is re-run now and then so that its
-estimate stays current. The plain tier (the root alone) costs one plain step and accepts nothing, so a
-tier is chosen only when it is expected to beat plain decoding. The plain step right after a drafting step
-is queued behind no other and catches the drafter up on every accepted token: what it costs past a plain step
-counts as the drafting step's, not as plain decoding's. A tier that has run in a bucket is credited at
-most the tokens a row a second it delivered there (that time included), whatever the estimate says: when
-the estimates are off by more than speculation's margin, what the tiers deliver still decides.
+Plain or drafting, a bucket at a time: steps run in windows of a batch bucket, each window plain or drafting
+throughout, and a window's rate is the tokens emitted over its wall time, whatever ran inside it (prefills,
+the host's work a row, a prefill waiting behind a longer step). A bucket runs the mode whose windows
+delivered more, and the other one window in so many: often while the two are close, rarely while the loser
+is far behind, so exploring costs at most a set share of the bucket's speed.
 
-Step times miss what drafting costs around the steps (a prefill waiting behind a longer step, the host's
-work a row), so a last guard measures the whole: steps run in windows of a bucket, most of them with
-drafting allowed and every few without (or the other way round, once windows without deliver more), and a
-window's rate is the tokens emitted over its wall time, whatever ran inside it. While a bucket's windows
-without drafting deliver more than its windows with it, the bucket runs plain steps.
+Which drafting tier: for a step of B drafting rows in batch bucket b, tier t is worth (B + sum of the rows'
+expected accepted tokens under t) / cost[b][t]. A bucket's cost is its plain step's time, kept current from
+every plain step, times each tier's ratio to it: measured when the bucket is first used (the graphs are
+captured then anyway) and kept current from the steps that run. Expected acceptance comes from each tier's
+running mean of accepted tokens per drafting row; a tier not run yet is estimated from the running
+per-depth acceptance (P(depth d accepted | depth d - 1 was)), the chain's expectation at its depth. Every
+tier within reach is re-run now and then so that its estimate stays current. The plain step right after a
+drafting step is queued behind no other and catches the drafter up on every accepted token: what it costs
+past a plain step counts as the drafting step's. A tier that has run in a bucket is credited at most the
+tokens a row a second it delivered there (that time included), whatever the estimate says.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,16 +58,18 @@ class AdaptiveConfig:
     request_min_steps: int = 16
     request_pause: int = 64
     request_weight: float = 0.2
-    # Windows of window_steps steps of one bucket, drafting allowed or not; one window in window_explore runs
-    # the mode that delivered less; a window's rate moves its mode's mean by window_weight.
+    # Windows of window_steps steps of one bucket, plain or drafting; a window's rate moves its mode's mean by
+    # window_weight. One window in window_explore runs the mode that delivered less, or fewer while that would
+    # cost the bucket more than window_loss of its speed (the loser's shortfall over the explore interval).
     window_steps: int = 32
     window_explore: int = 8
     window_weight: float = 0.3
+    window_loss: float = 0.02
 
 
 @dataclass
 class Window:
-    """Steps of one bucket, drafting allowed or not: the tokens they emitted and since when."""
+    """Steps of one bucket, plain or drafting: the tokens they emitted and since when."""
 
     bucket: int
     drafting: bool
@@ -96,7 +95,7 @@ class TierController:
     held: tuple[int, int, float, float] | None = None
     realized: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, tier) -> tokens a row a second
     window: Window | None = None  # the window the steps run in
-    windows: int = 0  # windows opened
+    opened: dict[int, int] = field(default_factory=dict)  # bucket -> windows opened
     delivered: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, drafting) -> tokens a second
     clock: Callable[[], float] = time.perf_counter
 
@@ -163,7 +162,7 @@ class TierController:
         for i in range(1, len(speed)):  # a tier that has run here is worth at most what it delivered
             if (bucket, i) in self.realized:
                 speed[i] = min(speed[i], rows * self.realized[(bucket, i)])
-        best = max(range(len(speed)), key=speed.__getitem__)
+        best = max(range(1, len(speed)), key=speed.__getitem__)  # the windows judge plain
         for i in range(1, len(speed)):  # re-run a close tier whose estimate has not been refreshed lately
             stale = self.steps - self.last_run.get((bucket, i), -self.config.explore_every)
             if (
@@ -181,13 +180,15 @@ class TierController:
         the open window is dropped, its rate would mix two)."""
         if self.window is not None and self.window.bucket == bucket:
             return self.window
-        self.windows += 1
+        opened = self.opened[bucket] = self.opened.get(bucket, 0) + 1
         with_drafting, without = self.delivered.get((bucket, True)), self.delivered.get((bucket, False))
         if with_drafting is None or without is None:
             drafting = with_drafting is None  # each mode's first window
         else:
             better = with_drafting >= without
-            drafting = better if self.windows % self.config.window_explore else not better
+            shortfall = 1.0 - min(with_drafting, without) / max(with_drafting, without, 1e-9)
+            every = max(self.config.window_explore, math.ceil(shortfall / self.config.window_loss))
+            drafting = better if opened % every else not better
         self.window = Window(bucket, drafting, self.clock())
         return self.window
 
