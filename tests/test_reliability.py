@@ -227,6 +227,47 @@ def _threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
+def test_a_send_waits_for_no_stuck_sender():
+    """Sends are serialized; a send that never returns (a response to a requester that died) holds the lock.
+    Here a second stuck sender and a good one wait behind it: the stuck one takes over the lock first and is
+    stuck under it too; the good send and every later one still go through."""
+    import threading
+
+    from pipeline.triton.send import STUCK_SEND_S, send
+
+    release, entered = threading.Event(), threading.Semaphore(0)
+
+    class Stuck:
+        def send(self, response=None, flags=0):
+            entered.release()
+            release.wait()  # blocked until the test ends
+
+    class Sent:
+        def __init__(self):
+            self.done = threading.Event()
+
+        def send(self, response=None, flags=0):
+            self.done.set()
+
+    def start(sender) -> None:
+        threading.Thread(target=send, args=(sender,), daemon=True).start()
+
+    try:
+        start(Stuck())
+        assert entered.acquire(timeout=5)
+        start(Stuck())
+        time.sleep(0.3)  # its wait for the first one's lock ends first
+        good = Sent()
+        start(good)
+        assert entered.acquire(timeout=STUCK_SEND_S + 5)
+        assert good.done.wait(timeout=2 * STUCK_SEND_S + 5)
+        later = Sent()
+        start(later)
+        assert later.done.wait(timeout=STUCK_SEND_S + 5)
+    finally:
+        release.set()
+
+
 def test_a_killed_engine_stub_is_reloaded_and_health_tells_the_truth(server):
     stubs = python_stubs(server.process.pid)
     victim = next(pid for pid, model in stubs.items() if model == ENGINE_MODEL)

@@ -5,7 +5,8 @@ lock_exception and a segfault in libtriton_python with 4 streams), so sends take
 block for good: a response to a request of a BLS stub that died is never acknowledged by the server (seen in
 a soak), and its thread holds the lock forever, so every other request's responses waited behind it and the
 server stopped answering on every route. A sender that waits STUCK_SEND_S for the lock takes its holder for
-stuck, leaves that lock to it and sends under a new one; the other sends stay serialized.
+stuck, leaves that lock to it and sends under a new one (again if that one's holder gets stuck too); the
+other sends stay serialized.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ _swap = threading.Lock()
 def serialized() -> Iterator[None]:
     """Holds the send lock (responses and metric updates share the backend's channel to the server)."""
     global _lock
-    lock = _lock
-    if not lock.acquire(timeout=STUCK_SEND_S):
-        with _swap:
+    while True:
+        lock = _lock
+        if lock.acquire(timeout=STUCK_SEND_S):
+            break
+        with _swap:  # its holder is stuck (so may the next lock's be: the loop checks again)
             if _lock is lock:  # the first to notice
                 _lock = threading.Lock()
                 print(
@@ -37,8 +40,6 @@ def serialized() -> Iterator[None]:
                     file=sys.stderr,
                     flush=True,
                 )
-        lock = _lock
-        lock.acquire()
     try:
         yield
     finally:
