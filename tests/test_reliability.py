@@ -287,6 +287,22 @@ def test_a_killed_engine_stub_is_reloaded_and_health_tells_the_truth(server):
     assert "stub of model 'tensorrt_llm' died" in server.tail_text()
 
 
+def test_a_stub_killed_as_the_server_comes_up_is_reloaded(tiny_llama_dir, tmp_path):
+    """The watchdog knows every stub from the moment the server is ready: a BLS stub killed before its first
+    look is reloaded too (it was missed, and every BLS request failed from then on), and BLS serves again."""
+    engine = convert_and_build(tiny_llama_dir, tmp_path / "build", **LIMITS)
+    repo = write_repository(engine, tmp_path / "repo")
+    with open(tmp_path / "tritonserver.log", "w") as log, TritonServer(repo, free_ports(), log=log) as server:
+        victim = next(pid for pid, model in python_stubs(server.process.pid).items() if model == BLS)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + RELOAD_S
+        while server.watchdog.reloads != [BLS]:
+            assert time.monotonic() < deadline, f"{BLS} not reloaded {RELOAD_S:.0f} s after its stub died"
+            time.sleep(0.5)
+        reply = generate(server.grpc_url, PROMPT, Sampling(max_tokens=MAX_TOKENS), model=BLS)
+        assert reply.num_output_tokens > 0
+
+
 # A restart loads every model again: about 10 s for a tiny engine on 2 cores, longer beside a busy server.
 RESTART_S = 120.0
 

@@ -220,11 +220,15 @@ class StubWatchdog(threading.Thread):
         self.server = server
         self.stopping = threading.Event()
         self.reloads: list[str] = []  # models reloaded, in order (tests read it)
+        assert server.process is not None, "the watchdog starts after the server process"
+        # Every model's stubs as the server came up ready, taken now: a stub that dies before the first
+        # look would otherwise never be known, and its model never reloaded.
+        self.known = python_stubs(server.process.pid)
 
     def run(self) -> None:
         process = self.server.process
         assert process is not None, "the watchdog starts after the server process"
-        known: dict[int, str] = {}
+        known = self.known
         while not self.stopping.wait(WATCH_INTERVAL_S):
             if process.poll() is not None:
                 return
