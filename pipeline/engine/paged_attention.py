@@ -89,6 +89,69 @@ def _query_chunk(
 
 
 @triton.jit
+def _chunk_product(
+    lhs,
+    ptr,
+    KEYS: tl.constexpr,
+    shared,
+    table_ptr,
+    region_ptr,
+    prefix_ptr,
+    count_ptr,
+    row,
+    first,
+    member,
+    queries,
+    virtual,
+    kv_head,
+    table_stride,
+    region_width,
+    KV_HEADS: tl.constexpr,
+    HEAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """A tile's product with one chunk of the cache at ptr: lhs @ chunk^T (KEYS: scores [TILE_ROWS, CHUNK]) or
+    lhs @ chunk (values: [TILE_ROWS, HEAD]). shared: the whole tile reads the chunk's positions plainly, one
+    load and one product; otherwise each query's own positions, and a tile row keeps its query's product."""
+    if shared:
+        where = _cache_offsets(table_ptr, row, virtual, virtual >= 0, kv_head, table_stride, KV_HEADS, HEAD, BLOCK)
+        out = _operand_product(lhs, tl.load(ptr + where), KEYS, PRECISION, INTERPRETED)
+    else:
+        out = tl.zeros((lhs.shape[0], virtual.shape[0] if KEYS else HEAD), tl.float32)
+        for j in range(queries):
+            chunk = _query_chunk(
+                ptr,
+                table_ptr,
+                region_ptr,
+                prefix_ptr,
+                count_ptr,
+                row,
+                first + j,
+                virtual,
+                kv_head,
+                table_stride,
+                region_width,
+                KV_HEADS,
+                HEAD,
+                BLOCK,
+            )
+            out = tl.where((member == j)[:, None], _operand_product(lhs, chunk, KEYS, PRECISION, INTERPRETED), out)
+    return out
+
+
+@triton.jit
+def _operand_product(lhs, chunk, KEYS: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """lhs @ chunk^T (KEYS) or lhs (cast to the cache's dtype, as flash attention's P) @ chunk."""
+    if KEYS:
+        out = _product(lhs, tl.trans(chunk), PRECISION, INTERPRETED)
+    else:
+        out = _product(lhs.to(chunk.dtype), chunk, PRECISION, INTERPRETED)
+    return out
+
+
+@triton.jit
 def _paged_kernel(
     q_ptr,
     k_ptr,
@@ -138,59 +201,58 @@ def _paged_kernel(
     for c in range(split, tl.cdiv(tl.max(length, axis=0), CHUNK), splits):
         virtual = c * CHUNK + offsets
         shared = (c + 1) * CHUNK <= common
-        if shared:  # the whole tile reads these positions: one load, one product
-            where = _cache_offsets(table_ptr, row, virtual, virtual >= 0, kv_head, table_stride, KV_HEADS, HEAD, BLOCK)
-            scores = _product(q, tl.trans(tl.load(k_ptr + where)), PRECISION, INTERPRETED)
-        else:  # each query its own positions; a row keeps its own query's product
-            scores = tl.zeros((TILE_ROWS, CHUNK), tl.float32)
-            for j in range(queries):
-                k = _query_chunk(
-                    k_ptr,
-                    table_ptr,
-                    region_ptr,
-                    prefix_ptr,
-                    count_ptr,
-                    row,
-                    first + j,
-                    virtual,
-                    kv_head,
-                    table_stride,
-                    region_width,
-                    KV_HEADS,
-                    HEAD,
-                    BLOCK,
-                )
-                scores = tl.where((member == j)[:, None], _product(q, tl.trans(k), PRECISION, INTERPRETED), scores)
+        scores = _chunk_product(
+            q,
+            k_ptr,
+            True,
+            shared,
+            table_ptr,
+            region_ptr,
+            prefix_ptr,
+            count_ptr,
+            row,
+            first,
+            member,
+            queries,
+            virtual,
+            kv_head,
+            table_stride,
+            region_width,
+            KV_HEADS,
+            HEAD,
+            BLOCK,
+            PRECISION,
+            INTERPRETED,
+        )
         scores = tl.where(virtual[None, :] < length[:, None], scores * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays empty
         p = tl.exp(scores - safe[:, None])
         alpha = tl.exp(m - safe)
         total = total * alpha + tl.sum(p, axis=1)
-        if shared:
-            where = _cache_offsets(table_ptr, row, virtual, virtual >= 0, kv_head, table_stride, KV_HEADS, HEAD, BLOCK)
-            v = tl.load(v_ptr + where)
-            update = _product(p.to(v.dtype), v, PRECISION, INTERPRETED)
-        else:
-            update = tl.zeros((TILE_ROWS, HEAD), tl.float32)
-            for j in range(queries):
-                v = _query_chunk(
-                    v_ptr,
-                    table_ptr,
-                    region_ptr,
-                    prefix_ptr,
-                    count_ptr,
-                    row,
-                    first + j,
-                    virtual,
-                    kv_head,
-                    table_stride,
-                    region_width,
-                    KV_HEADS,
-                    HEAD,
-                    BLOCK,
-                )
-                update = tl.where((member == j)[:, None], _product(p.to(v.dtype), v, PRECISION, INTERPRETED), update)
+        update = _chunk_product(
+            p,
+            v_ptr,
+            False,
+            shared,
+            table_ptr,
+            region_ptr,
+            prefix_ptr,
+            count_ptr,
+            row,
+            first,
+            member,
+            queries,
+            virtual,
+            kv_head,
+            table_stride,
+            region_width,
+            KV_HEADS,
+            HEAD,
+            BLOCK,
+            PRECISION,
+            INTERPRETED,
+        )
         acc = acc * alpha[:, None] + update
         m = m_new
     out = (query * HEADS + heads) * splits + split
