@@ -16,7 +16,7 @@ from pipeline.bench.probes import check_kernels
 from pipeline.engine.kernels import routing
 from pipeline.engine.kernels.routing import TORCH_TOPK, DrafterKernels
 from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
-from pipeline.engine.model import Linear, ModelConfig, Transformer
+from pipeline.engine.model import DecoderLayer, Linear, ModelConfig, Transformer
 from pipeline.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,6 +118,7 @@ def test_attach_leaves_cpu_models_on_the_library_kernels():
 
 def test_only_plain_llama_layers_fuse():
     assert routing.fusable(Transformer(tiny_config()).layers[0])
+    assert routing.fusable(DecoderLayer(tiny_config(), input_norm=False))  # an EAGLE-1 draft's layer
     for changes in ({"qkv_bias": True}, {"mlp_bias": True}, {"hidden_act": "gelu"}, {"head_size": 24}):
         assert not routing.fusable(Transformer(tiny_config(**changes)).layers[0]), changes
 

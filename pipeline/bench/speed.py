@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from pipeline.engine.config import EngineLimits, SpecConfig
 from pipeline.engine.cpu_threads import on_own_thread
-from pipeline.engine.graphs import GraphedTarget
+from pipeline.engine.graphs import GraphedTarget, compile_enabled
 from pipeline.engine.kernels.routing import DRAFT_TOPK_ENV, LEVELS, attach, level
 from pipeline.engine.model import ModelConfig, Transformer
 from pipeline.engine.runner import Engine
@@ -180,6 +180,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cpu_threads": torch.get_num_threads(),
     }
     if device.type == "cuda":
+        env["compiled"] = compile_enabled()  # SPECPIPE_COMPILE=0: graphs of uncompiled steps
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
         try:

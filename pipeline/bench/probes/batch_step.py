@@ -29,7 +29,7 @@ import torch
 
 from pipeline.bench.load import random_engine
 from pipeline.bench.probes.variants import HELP, parse_variants
-from pipeline.bench.speed import SHAPES
+from pipeline.bench.speed import SHAPES, environment
 from pipeline.engine.graphs import CapturedStep
 from pipeline.engine.kernels.routing import attach
 from pipeline.engine.request import SamplingParams
@@ -152,7 +152,8 @@ def main() -> None:
         wall = f"{r['wall_ms']:>8.3f}" if "wall_ms" in r else f"{'-':>8}"
         print(f"{r['variant']:<24} {r['tier']:<7} {r['rows']:>5} {r['served_ms']:>10.3f} {wall} {dev}")
     if args.json:
-        args.json.write_text(json.dumps({"shape": args.shape, "results": results}, indent=1))
+        env = environment(torch.device(args.device))
+        args.json.write_text(json.dumps({"environment": env, "shape": args.shape, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ nearest: the tolerances of bf16 checks are looser than the kernels' own error.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import sys
 from collections.abc import Callable
@@ -122,12 +123,14 @@ def check_gemv(device: str) -> None:
         w = torch.randn((heads + 2 * kv_heads) * dim, k, dtype=torch.bfloat16)
         x, g = torch.randn(k, dtype=torch.bfloat16), torch.randn(k, dtype=torch.bfloat16)
         rotary = Rotary(dim, 1e4, None, 64)
-        want_k, want_v, got_k, got_v = (torch.zeros(2, 2, 10, kv_heads, dim, dtype=torch.bfloat16) for _ in range(4))
         rope_args = rotary.cos, rotary.sin, torch.tensor([37]), torch.tensor([6])  # RoPE position, cache slot
-        want = rope_store(gemv(x, w, g, 1e-5), *rope_args, want_k, want_v, 1, heads)
-        close(gemv_rope_store(x, w, g, 1e-5, *rope_args, got_k, got_v, 1, heads), want, 1e-2)
-        assert want_k[1, 0, 6].any() and torch.equal(got_v, want_v)
-        close(got_k, want_k, 1e-2)
+        for norm_weight in (g, None):  # None: a layer without an input norm (an EAGLE-1 draft's first)
+            caches = [torch.zeros(2, 2, 10, kv_heads, dim, dtype=torch.bfloat16) for _ in range(4)]
+            want_k, want_v, got_k, got_v = caches
+            want = rope_store(gemv(x, w, norm_weight, 1e-5), *rope_args, want_k, want_v, 1, heads)
+            close(gemv_rope_store(x, w, norm_weight, 1e-5, *rope_args, got_k, got_v, 1, heads), want, 1e-2)
+            assert want_k[1, 0, 6].any() and torch.equal(got_v, want_v)
+            close(got_k, want_k, 1e-2)
 
 
 def check_rows(device: str) -> None:
@@ -160,28 +163,29 @@ def check_rows(device: str) -> None:
         x, g = torch.randn(m, k, dtype=half), torch.randn(k, dtype=half)
         rotary = Rotary(dim, 1e4, None, 64)
         positions, slots = torch.randint(64, (m,)), torch.randperm(30)[:m]
-        want_k, want_v, got_k, got_v = (torch.zeros(2, 2, 30, kv_heads, dim, dtype=half) for _ in range(4))
-        want = torch.stack(
-            [
-                rope_store(
-                    gemv(x[t], w, g, 1e-5),
-                    rotary.cos,
-                    rotary.sin,
-                    positions[t : t + 1],
-                    slots[t : t + 1],
-                    want_k,
-                    want_v,
-                    1,
-                    heads,
-                )
-                for t in range(m)
-            ]
-        )
-        got = rows_rope_store(x, w, g, 1e-5, rotary.cos, rotary.sin, positions, slots, got_k, got_v, 1, heads)
-        close(got, want, 4 * tol)
-        assert want_k[1, 0, slots].any() and not got_k[0].any() and not got_k[1, 1].any()
-        close(got_k, want_k, 4 * tol)
-        close(got_v, want_v, 4 * tol)
+        for norm_weight in (g, None):
+            want_k, want_v, got_k, got_v = (torch.zeros(2, 2, 30, kv_heads, dim, dtype=half) for _ in range(4))
+            want = torch.stack(
+                [
+                    rope_store(
+                        gemv(x[t], w, norm_weight, 1e-5),
+                        rotary.cos,
+                        rotary.sin,
+                        positions[t : t + 1],
+                        slots[t : t + 1],
+                        want_k,
+                        want_v,
+                        1,
+                        heads,
+                    )
+                    for t in range(m)
+                ]
+            )
+            rope = (rotary.cos, rotary.sin, positions, slots, got_k, got_v, 1, heads)
+            close(rows_rope_store(x, w, norm_weight, 1e-5, *rope), want, 4 * tol)
+            assert want_k[1, 0, slots].any() and not got_k[0].any() and not got_k[1, 1].any()
+            close(got_k, want_k, 4 * tol)
+            close(got_v, want_v, 4 * tol)
     # A decoder layer's step of several tokens, its MLP through the two kernels, against the unfused layer.
     layer = decoder_layer(Transformer(NORM_CONFIG), 0).to(half)
     for p in layer.parameters():
@@ -479,12 +483,16 @@ def check_topk(device: str) -> None:
 def check_paged(device: str) -> None:
     """A small layer's batched step over the block pool through paged_layer (the QKV product writing the
     pool's slots, the paged attention kernel, rows_gemm) against the unfused layer: decode rows, then every
-    row's tree, rows of different lengths whose blocks are not in order; one decode row through the GEMVs."""
+    row's tree, rows of different lengths whose blocks are not in order; one decode row through the GEMVs. A
+    target's layer, and an EAGLE-1 draft's (no input norm)."""
     tuning, half = engine_tuning(device), tile_dtype(device)
     model = Transformer(CONFIG).to(half)
     for p in model.parameters():
         p.normal_(0, 0.3)
-    layer, block = decoder_layer(model, 1), 8
+    draft_layer = DecoderLayer(CONFIG, input_norm=False).to(half)  # an EAGLE-1 draft's: no input norm
+    for p in draft_layer.parameters():
+        p.normal_(0, 0.3)
+    block = 8
     pool = BlockPool(CONFIG.num_layers, 24, block, CONFIG.num_kv_heads, CONFIG.head_size, half, device)
     pool.k.normal_()
     pool.v.normal_()
@@ -493,11 +501,12 @@ def check_paged(device: str) -> None:
     tree = build_tree([[0], [1], [0, 0]])
     one = torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
     # One decode row (the single-token GEMVs), three decode rows, three rows' trees (rows_gemm).
-    for rows, t, depths, paths in (
+    steps = (
         (1, 1, *one),
         (3, 1, *one),
         (3, 4, tree.depths, torch.tensor([[0, 0, 0], [0, 1, 1], [0, 2, 2], [0, 1, 3]])),
-    ):
+    )
+    for layer, (rows, t, depths, paths) in itertools.product((decoder_layer(model, 1), draft_layer), steps):
         lengths, table = all_lengths[:rows], all_tables[:rows]
         seq = lengths[:, None] + torch.arange(t)[None]
         region = lengths[:, None, None] + paths[None]

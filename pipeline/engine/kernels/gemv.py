@@ -206,18 +206,20 @@ def _gemv_rope_kernel(
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HEAD: tl.constexpr,
+    NORM: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """_rope_store_kernel as the epilogue of the QKV GEMV (_gemv_kernel with NORM), one kernel a layer
-    fewer, each program summing the rows _rope_rows gives it."""
+    """_rope_store_kernel as the epilogue of the QKV GEMV (_gemv_kernel, with NORM or, for a layer without
+    an input norm such as an EAGLE-1 draft's first, without), one kernel a layer fewer, each program summing
+    the rows _rope_rows gives it."""
     dtype = q_ptr.dtype.element_ty
     PAIRS: tl.constexpr = BLOCK_ROWS // 2
     HALF: tl.constexpr = HEAD // 2
     rotated, head, dims, rows = _rope_rows(HEADS, KV_HEADS, HEAD, BLOCK_ROWS)
     pos, slot = tl.load(pos_ptr), tl.load(slot_ptr)  # in flight during the products, not after them
     n = (HEADS + 2 * KV_HEADS) * HEAD
-    y, _ = _gemv_rows(w_ptr, x_ptr, norm_ptr, rows, rows < n, n, k, eps, dtype, True, False, BLOCK_ROWS, BLOCK_K)
+    y, _ = _gemv_rows(w_ptr, x_ptr, norm_ptr, rows, rows < n, n, k, eps, dtype, NORM, False, BLOCK_ROWS, BLOCK_K)
     y = y.to(dtype).to(tl.float32)  # the unfused GEMV's output
     if rotated:
         low, high = tl.split(tl.reshape(y, (PAIRS, 2)))
@@ -238,7 +240,7 @@ def _gemv_rope_kernel(
 def _gemv_rope_store(
     x: torch.Tensor,
     w: torch.Tensor,
-    norm: torch.Tensor,
+    norm: torch.Tensor | None,
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -261,7 +263,7 @@ def _gemv_rope_store(
     _gemv_rope_kernel[(w.shape[0] // rows,)](
         w,
         x,
-        norm.contiguous(),
+        x if norm is None else norm.contiguous(),
         cos,
         sin,
         position,
@@ -275,6 +277,7 @@ def _gemv_rope_store(
         HEADS=heads,
         KV_HEADS=kv_heads,
         HEAD=head,
+        NORM=norm is not None,
         BLOCK_ROWS=rows,
         BLOCK_K=block_k,
         num_warps=warps,
@@ -286,7 +289,7 @@ def _gemv_rope_store(
 def _(
     x: torch.Tensor,
     w: torch.Tensor,
-    norm: torch.Tensor,
+    norm: torch.Tensor | None,
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -306,7 +309,7 @@ def _(
 def gemv_rope_store(
     x: torch.Tensor,
     w: torch.Tensor,
-    norm: torch.Tensor,
+    norm: torch.Tensor | None,
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -319,7 +322,8 @@ def gemv_rope_store(
     tuning: KernelTuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
     """rope_store(gemv(x, w, norm, eps), cos, sin, position, slot, k_cache, v_cache, layer, heads) in
-    one kernel (_gemv_rope_kernel): x [K] RMS-normalised times w [(H + 2 Hkv) D, K] -> rotated q [H D]."""
+    one kernel (_gemv_rope_kernel): x [K] RMS-normalised (unless norm is None) times w [(H + 2 Hkv) D, K] ->
+    rotated q [H D]."""
     return _gemv_rope_store(
         x,
         w,

@@ -9,7 +9,8 @@ Levels (`SPECPIPE_KERNELS`, read by attach):
   MLP as two rows_gemm kernels; small layers (SmolLM2's) take a tree step whole through the kernels, and so
   a batched step over the block pool of up to 64 tokens (decode rows, every row's tree: paged_layer). More
   tokens (prefills) keep cuBLAS and SDPA. Layers the kernels do not cover (biases, other activations, head
-  sizes that are not a power of two) keep the gemv level.
+  sizes that are not a power of two) keep the gemv level; a layer without an input norm (an EAGLE-1 draft's
+  first) fuses with no norm in its QKV product.
 - off: cuBLAS and SDPA everywhere.
 attach(..., invariant=True) puts every product of a Linear (any row count) and every RMS norm on the
 batch-invariant kernels of invariant.py instead of the GEMV, the fused layers and cuBLAS: a token's outputs are
@@ -224,9 +225,10 @@ def route_invariant(
 
 
 def fusable(layer: DecoderLayer) -> bool:
+    """Plain Llama layers, and those without an input norm (an EAGLE-1 draft's first)."""
     a, mlp = layer.attention, layer.mlp
     return (
-        isinstance(layer.input_layernorm, RMSNorm)
+        isinstance(layer.input_layernorm, (RMSNorm, nn.Identity))
         and mlp.act is torch.nn.functional.silu
         and all(lin.bias is None for lin in (a.qkv, a.dense, mlp.fc_gate, mlp.proj))
         and power_of_two(a.head_size)
@@ -235,6 +237,12 @@ def fusable(layer: DecoderLayer) -> bool:
 
 def power_of_two(n: int) -> bool:
     return n & (n - 1) == 0
+
+
+def input_norm(layer: DecoderLayer) -> tuple[torch.Tensor | None, float]:
+    """(weight, eps) of the layer's input RMS norm for the kernels' prologue; (None, 0) without one."""
+    norm = layer.input_layernorm
+    return (norm.weight, norm.eps) if isinstance(norm, RMSNorm) else (None, 0.0)
 
 
 def fused_layer(
@@ -301,14 +309,14 @@ def gemv_layer(
     from pipeline.engine.kernels.gemv import gemv, gemv_rope_store
     from pipeline.engine.kernels.rotary import rope_store
 
-    a, mlp, norm, post = layer.attention, layer.mlp, layer.input_layernorm, layer.post_layernorm
-    assert isinstance(norm, RMSNorm)  # fusable(): only such layers are routed here
+    a, mlp, post = layer.attention, layer.mlp, layer.post_layernorm
+    norm, eps = input_norm(layer)
     h = x.view(-1)
     rope = (ctx.rotary.cos, ctx.rotary.sin, ctx.positions.view(-1), ctx.slots.view(-1), *caches, index, a.num_heads)
     if tuning.rope_in_gemv:
-        q = gemv_rope_store(h, a.qkv.weight, norm.weight, norm.eps, *rope, tuning=tuning)
+        q = gemv_rope_store(h, a.qkv.weight, norm, eps, *rope, tuning=tuning)
     else:
-        q = rope_store(gemv(h, a.qkv.weight, norm.weight, norm.eps, tuning=tuning), *rope)
+        q = rope_store(gemv(h, a.qkv.weight, norm, eps, tuning=tuning), *rope)
     out = attend(q.view(1, a.num_heads, a.head_size))
     h = gemv(out.view(-1), a.dense.weight, residual=h, tuning=tuning)
     if tuning.gated_gemv:
@@ -348,14 +356,14 @@ def rows_layer(
     with the post-attention norm, SiLU and the residual adds inside."""
     from pipeline.engine.kernels.rows import rows_gemm, rows_rope_store
 
-    a, mlp, norm, post = layer.attention, layer.mlp, layer.input_layernorm, layer.post_layernorm
-    assert isinstance(norm, RMSNorm)  # fusable(): only such layers are routed here
+    a, mlp, post = layer.attention, layer.mlp, layer.post_layernorm
+    norm, eps = input_norm(layer)
     rows = x.reshape(-1, x.shape[-1])
     q = rows_rope_store(
         rows,
         a.qkv.weight,
-        norm.weight,
-        norm.eps,
+        norm,
+        eps,
         ctx.rotary.cos,
         ctx.rotary.sin,
         ctx.positions.reshape(-1),

@@ -254,13 +254,14 @@ def _rows_rope_kernel(
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HEAD: tl.constexpr,
+    NORM: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """_gemv_rope_kernel for several tokens: the QKV product of BLOCK_M tokens (their norm inside, see
-    _rows_products) with rotary and the cache write as its epilogue, a program's BLOCK_N outputs the rows
+    """_gemv_rope_kernel for several tokens: the QKV product of BLOCK_M tokens (with NORM their norm inside,
+    see _rows_products) with rotary and the cache write as its epilogue, a program's BLOCK_N outputs the rows
     _rope_rows gives it. Each token has its own position and slot."""
     dtype = q_ptr.dtype.element_ty
     PAIRS: tl.constexpr = BLOCK_N // 2
@@ -283,7 +284,7 @@ def _rows_rope_kernel(
         k,
         eps,
         dtype,
-        True,
+        NORM,
         False,
         PRECISION,
         BLOCK_M,
@@ -316,7 +317,7 @@ def _rows_rope_kernel(
 def _rows_rope_store(
     x: torch.Tensor,
     w: torch.Tensor,
-    norm: torch.Tensor,
+    norm: torch.Tensor | None,
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -343,7 +344,7 @@ def _rows_rope_store(
     _rows_rope_kernel[(w.shape[0] // block_n, triton.cdiv(m, block_m))](
         x,
         w,
-        norm.contiguous(),
+        x if norm is None else norm.contiguous(),
         cos,
         sin,
         positions.contiguous(),
@@ -358,6 +359,7 @@ def _rows_rope_store(
         HEADS=heads,
         KV_HEADS=kv_heads,
         HEAD=head,
+        NORM=norm is not None,
         PRECISION=_precision(x, float32_dot),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -372,7 +374,7 @@ def _rows_rope_store(
 def _(
     x: torch.Tensor,
     w: torch.Tensor,
-    norm: torch.Tensor,
+    norm: torch.Tensor | None,
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -395,7 +397,7 @@ def _(
 def rows_rope_store(
     x: torch.Tensor,
     w: torch.Tensor,
-    norm: torch.Tensor,
+    norm: torch.Tensor | None,
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -408,7 +410,8 @@ def rows_rope_store(
     tuning: KernelTuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
     """gemv_rope_store for tokens x [M, K] at RoPE positions `positions` and cache slots `slots` [M]
-    (_rows_rope_kernel) -> rotated q [M, H D]. The head size is a power of two of 16 at least."""
+    (_rows_rope_kernel) -> rotated q [M, H D]; norm None: no input norm. The head size is a power of two of
+    16 at least."""
     return _rows_rope_store(
         x, w, norm, eps, cos, sin, positions, slots, k_cache, v_cache, layer, heads, *_tile_args(tuning, "rope")
     )
