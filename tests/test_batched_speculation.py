@@ -131,10 +131,10 @@ def test_drafting_steps_are_queued_before_the_step_before_is_read(built, plain):
     assert spec is not None
     speculate, steps = spec.speculate, []
 
-    def recorded(ints, floats, drafts, tier, settled=False):
+    def recorded(ints, floats, drafts, tier, defer=False):
         if (ints[:, STATE] > 0).any():  # a step of requests, not of calibration's padding rows
             steps.append((tier, bool((ints[:, CARRY] >= 0).any())))
-        return speculate(ints, floats, drafts, tier, settled)
+        return speculate(ints, floats, drafts, tier, defer)
 
     spec.speculate = recorded
     requests = mixed_requests(plain)
@@ -159,29 +159,33 @@ def test_an_opted_out_request_is_served_plainly_inside_a_speculative_batch(built
 
 
 def test_plain_steps_in_a_row_keep_the_eagle_draft_in_sync(built, plain):
-    """A plain step after plain steps catches the draft up on one pair a row (settled): the draft's cache
-    then holds what the full catch-up of every step writes (its pairs at every position of the text)."""
+    """Plain steps in a row keep their pairs pending and catch the draft up on a run of them in one pass
+    (defer): the draft's cache then holds what a catch-up at every step writes (its pairs at every position
+    of the text the deferring run has caught up on)."""
     ids, params = plain.tokenizer(PROMPTS[2]).input_ids, SamplingParams(max_tokens=24, end_id=-1)
     caches, flags = [], []
-    for settle in (True, False):
+    for allow in (True, False):
         engine = Engine.from_dir(built["eagle"], serving=SchedulerConfig(speculation="off"))
         spec = engine.scheduler.spec
         assert spec is not None
         decode = spec.decode
 
-        def recorded(ints, floats, settled=False, settle=settle, decode=decode):
-            flags.append(settled)
-            return decode(ints, floats, settled and settle)
+        def recorded(ints, floats, defer=False, allow=allow, decode=decode):
+            if (ints[:, STATE] > 0).any():
+                flags.append(defer)
+            return decode(ints, floats, defer and allow)
 
         spec.decode = recorded
         engine.generate(ids, params)
         pool = spec.proposer.pool
-        positions = torch.arange(len(ids) + params.max_tokens - 2)
+        # The deferring run's last pairs may still be pending: compare what both have cached.
+        positions = torch.arange(len(ids) + params.max_tokens - 2 - (spec.max_depth + 1))
         table = torch.arange(1, pool.blocks_for(len(positions)) + 1)  # a fresh pool's first request: blocks 1, 2, ..
         slots = pool.slots(table, positions)
         caches.append((pool.k[:, slots].clone(), pool.v[:, slots].clone()))
         assert caches[-1][0].abs().amin(dim=-1).amin(dim=-1).gt(0).all()  # every position was written
-    assert True in flags  # the settled step ran
+    deferred = flags[: len(flags) // 2]
+    assert sum(deferred) >= len(deferred) * spec.max_depth // (spec.max_depth + 1) - 1  # most plain steps deferred
     torch.testing.assert_close(caches[0], caches[1], rtol=1e-4, atol=1e-5)
 
 

@@ -350,10 +350,12 @@ class EagleProposer:
 class EagleRows:
     """EAGLE in batched form (spec_step.BatchProposer). The draft's KV lives in a block pool of its own
     that the requests' block tables index like the target's (sequence index = pair position). A request's
-    state row holds the pairs it has not cached yet (the last step's accepted path: tokens and the
-    target's features); every step, the plain tier included, first catches up on them, so the draft never
-    falls behind the text whatever tiers run: over max depth + 1 pairs a row, or one in a settled step (no
-    row's last step accepted drafts). Tree node i (i >= 1) drafts at sequence index length + i - 1."""
+    state row holds the pairs it has not cached yet (tokens and the target's features): the last step's
+    accepted path, or the pairs of plain steps. A drafting step first catches up on them (max depth + 1
+    pairs a row, the buffer's size). A plain step either does too, or, while every row has room (defer),
+    appends its pair and leaves the catch-up to a later step, which then takes a run of pairs in one pass
+    instead of one pair a step. Either way the draft never falls behind the text by more than the buffer
+    holds, whatever tiers run. Tree node i (i >= 1) drafts at sequence index length + i - 1."""
 
     host_drafts = 0
 
@@ -411,8 +413,9 @@ class EagleRows:
             self.num_pending.index_fill_(0, chunk.state, 1)
 
     def draft(self, rows: Drafting, tier: Tier) -> torch.Tensor:
-        run = 1 if rows.settled else self.run_ids.shape[0]
-        b, ids = rows.roots.shape[0], self.run_ids[:run]
+        if rows.defer:  # a plain step whose pair joins the pending ones
+            return rows.roots[:, None]
+        b, ids, run = rows.roots.shape[0], self.run_ids, self.run_ids.shape[0]
         pending = self.num_pending[rows.state]
         start = (rows.lengths - pending).clamp(min=0)  # pairs cached before the pending ones (padding rows: 0)
         positions = start[:, None] + ids[None, :]
@@ -462,6 +465,12 @@ class EagleRows:
 
     def accepted(self, rows: Drafting, tier: Tier, result: Verified) -> None:
         feats = self.features(result.hidden, result.captured)  # [B, T, F]
+        if rows.defer:  # appended after the pending pairs; padding rows share state row 0: kept in bounds
+            slot = self.num_pending[rows.state].clamp(max=self.run_ids.shape[0] - 1)
+            self.pending_tokens[rows.state, slot] = result.tokens[:, 0]
+            self.pending_features[rows.state, slot] = feats[:, 0]
+            self.num_pending[rows.state] = slot + 1
+            return
         taken = result.path.shape[1]
         path_feats = feats.gather(1, result.path[:, :, None].expand(-1, -1, feats.shape[-1]))
         self.pending_tokens[rows.state, :taken] = result.tokens

@@ -118,8 +118,9 @@ class Request:
     drafts: np.ndarray | None = None  # a speculative step's draft input for this row (spec_step.DRAFT_COUNT ...)
     accepted_mean: float | None = None  # running mean of draft tokens accepted a drafting step
     paused_until: int = 0  # the controller step before which this request drafts nothing (low acceptance)
-    # Accepted tokens its proposer has yet to take in (speculative steps): 1 after a plain step, the most
-    # possible after a drafting step not read yet.
+    # Accepted tokens its proposer has yet to take in (speculative steps), at most: one more after each plain
+    # step that deferred its catch-up, 1 after one that caught up, the most possible after a drafting step
+    # not read yet.
     pairs: int = 1
     row: int = 0  # its row in the last decode step queued
 
@@ -351,11 +352,13 @@ class Scheduler:
                 r.ints[TOKEN], r.ints[CARRY] = r.out[-1], NOT_CARRIED
             r.row = i
         ints, floats = self._inputs(rows)
-        depth = 0
+        depth, defer = 0, False
         if spec is None:
             out = self.batch.decode(ints, floats)
         elif index == 0:
-            out = spec.decode(ints, floats, settled=all(r.pairs == 1 for r in rows))
+            # The proposer keeps up to max depth + 1 pairs a row pending: defer while every row has room.
+            defer = max(r.pairs for r in rows) <= spec.max_depth
+            out = spec.decode(ints, floats, defer=defer)
         else:
             tier = spec.tiers[index]
             depth = tier.depth
@@ -371,7 +374,7 @@ class Scheduler:
             r.cached += 1
             r.slack += depth
             r.pending += 1
-            r.pairs = depth + 1
+            r.pairs = r.pairs + 1 if index == 0 and defer else depth + 1
         return _Inflight(rows, self.batch.readback.start(out), index, drafting)
 
     def _read_inflight(self) -> None:
@@ -449,13 +452,13 @@ class Scheduler:
                     self._calibrate(bucket)
 
     def _calibrate(self, bucket: int) -> None:
-        """Time every tier in `bucket` (the plain tier's settled step: the one that runs in a row of plain
-        steps); the plain tier's step right after a drafting step is captured too, not timed."""
+        """Time every tier in `bucket` (the plain tier's deferring step: most steps in a row of plain steps);
+        the plain tier's catching-up step is captured too, not timed."""
         assert self.controller is not None
-        self._padding_step(bucket, 0, settled=False)
+        self._padding_step(bucket, 0, defer=False)
         self.controller.calibrate(bucket, functools.partial(self._padding_step, bucket))
 
-    def _padding_step(self, bucket: int, tier: int, settled: bool | None = None) -> None:
+    def _padding_step(self, bucket: int, tier: int, defer: bool | None = None) -> None:
         """A step of `bucket` padding rows (the scratch block, state row 0), waited for: calibration."""
         spec = self.spec
         assert spec is not None
@@ -465,7 +468,7 @@ class Scheduler:
             np.stack([floats] * bucket),
             np.stack([spec.new_drafts()] * bucket),
             tier,
-            tier == 0 if settled is None else settled,
+            tier == 0 if defer is None else defer,
         )
         spec.readback.start(out).read()
 

@@ -142,7 +142,7 @@ class Drafting:
     state: torch.Tensor  # [B] each row's proposer-state row
     drafts: torch.Tensor  # [B, 1 + k]: DRAFT_COUNT (draft nodes the row may accept), then host draft tokens
     attn_len: int  # sequence indices a row's reads may cover: the whole table when captured
-    settled: bool = False  # every row has at most one accepted pair its proposer has not taken in yet
+    defer: bool = False  # a plain step whose proposer keeps the new pair pending instead of catching up
 
 
 @dataclass
@@ -229,14 +229,15 @@ class SpecStep(BatchStep):
     def new_drafts(self) -> np.ndarray:
         return np.zeros(self.draft_width, dtype=np.int64)
 
-    def decode(self, ints: np.ndarray, floats: np.ndarray, settled: bool = False) -> torch.Tensor:
+    def decode(self, ints: np.ndarray, floats: np.ndarray, defer: bool = False) -> torch.Tensor:
         """A plain-tier step (no drafts): [B] next tokens on the device, as BatchStep.decode returns them (a
         next step queued before the host reads these takes them, and the lengths, through its rows' CARRY).
-        settled: no row's last step accepted drafts, so a proposer catches up on one pair a row."""
-        return self.speculate(ints, floats, None, 0, settled)[:, 0]
+        defer: every row has room for one more pending pair, so a proposer keeps the step's pair pending and
+        catches up on a run of them later, in one pass."""
+        return self.speculate(ints, floats, None, 0, defer)[:, 0]
 
     def speculate(
-        self, ints: np.ndarray, floats: np.ndarray, drafts: np.ndarray | None, tier: int, settled: bool = False
+        self, ints: np.ndarray, floats: np.ndarray, drafts: np.ndarray | None, tier: int, defer: bool = False
     ) -> torch.Tensor:
         """One speculative step of tier `tier` for B rows (ints: TOKEN = root and POSITION = cached length
         unless CARRY names a row of the step before, the table covering length + headroom; drafts None:
@@ -246,17 +247,17 @@ class SpecStep(BatchStep):
         if not self.capture:
             host = np.zeros((rows, self.draft_width), dtype=np.int64) if drafts is None else drafts
             out = self._speculate(
-                torch.from_numpy(ints), torch.from_numpy(floats), torch.from_numpy(host), tier, mode, settled
+                torch.from_numpy(ints), torch.from_numpy(floats), torch.from_numpy(host), tier, mode, defer
             )
         else:
             bucket = next(b for b in self.buckets if b >= rows)
             x = self.buffers[bucket]
             x.fill(ints, floats, drafts)
-            key = (bucket, tier, mode, settled)
+            key = (bucket, tier, mode, defer)
             if key not in self.spec_graphs:
                 run = self.compiled_plain if tier == 0 else self._speculate
                 self.spec_graphs[key] = CapturedStep(
-                    lambda: run(x.ints, x.floats, x.drafts, tier, mode, settled), self.pool_handle
+                    lambda: run(x.ints, x.floats, x.drafts, tier, mode, defer), self.pool_handle
                 )
             out = self.spec_graphs[key]()
         # Outside the graph: its warm-up runs before capture must all read the same carried values.
@@ -271,7 +272,7 @@ class SpecStep(BatchStep):
         drafts: torch.Tensor,
         tier_index: int,
         mode: str,
-        settled: bool = False,
+        defer: bool = False,
     ) -> torch.Tensor:
         tier = self.tiers[tier_index]
         ints, floats, drafts = ints.to(self.device), floats.to(self.device), drafts.to(self.device)
@@ -283,7 +284,7 @@ class SpecStep(BatchStep):
         longest = None if self.capture else int(lengths.max())
         table_len = table.shape[1] * self.pool.block_size
         draft_len = table_len if longest is None else min(table_len, longest + self.max_nodes)
-        rows = Drafting(roots, lengths, table, ints[:, STATE], drafts, draft_len, settled)
+        rows = Drafting(roots, lengths, table, ints[:, STATE], drafts, draft_len, defer)
         tokens = self.proposer.draft(rows, tier)  # [B, T]
         t = tier.num_nodes
         positions = lengths[:, None] + tier.tree.depths[None, :]
