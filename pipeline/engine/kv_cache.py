@@ -114,8 +114,10 @@ class BlockPool:
     def gather(self, layer: int, table: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first num_slots tokens of each row's sequence: table [B, blocks] -> k, v [B, num_slots, kv_heads, D]."""
         positions = torch.arange(num_slots, device=table.device).expand(table.shape[0], num_slots)
-        slots = self.slots(table, positions)
-        return self.k[layer][slots], self.v[layer][slots]
+        slots = self.slots(table, positions).reshape(-1)
+        shape = (table.shape[0], num_slots, *self.k.shape[2:])
+        # index_select on the flat slots: half the time of advanced indexing on the CPU (BENCHMARKS §7).
+        return self.k[layer].index_select(0, slots).view(shape), self.v[layer].index_select(0, slots).view(shape)
 
 
 @dataclass

@@ -267,14 +267,10 @@ class Attention(nn.Module):
         keys, values = pool.gather(layer, paged.table, paged.attn_len)
         if mask is None:  # the context left it to the kernel: a head size the kernel does not take
             mask = paged_mask(paged)[:, None]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )
-        return out.transpose(1, 2)
+        q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        if self.num_kv_heads != self.num_heads:
+            return grouped_query_attention(q, keys, values, mask).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).transpose(1, 2)
 
     def rotate_and_store(self, qkv: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         """qkv [B, T, (H + 2 Hkv) D]: rotates q and k, writes k and v to the cache; returns q [B, T, H, D]."""
@@ -293,8 +289,8 @@ def grouped_query_attention(
 ) -> torch.Tensor:
     """q [B, H, T, D] over k, v [B, Hkv, S, D]: each kv head's query group folded into its rows.
 
-    On CUDA, SDPA with enable_gqa and a mask falls back to a path that copies K and V once per
-    query head; folding the group (query head h reads kv head h // group) reads them once instead.
+    SDPA with enable_gqa and a mask falls back to a path that copies K and V once per query head (CUDA;
+    on the CPU too it is slower); folding the group (query head h reads kv head h // group) reads them once.
     """
     b, h, t, d = q.shape
     hkv = k.shape[1]
