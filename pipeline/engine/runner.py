@@ -16,6 +16,8 @@ Plain decoding through this loop is the same loop with a one-node tree.
 from __future__ import annotations
 
 import math
+import sys
+import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,19 +204,28 @@ class Engine:
         if self.device.type != "cuda":
             return
         if self.batched:
-            if isinstance(self.scheduler.step, SpecStep):  # every (bucket, tier)'s greedy graph, and its cost
-                self.scheduler.calibrate()
-            else:  # every batch bucket's decode graph, greedy and sampled (by default)
-                for rows in self.scheduler.batch.buckets:
-                    for temperature in temperatures:
-                        # Prompts are prefilled one an iteration: each request outlives the prefills of the
-                        # others, so that `rows` rows decode together at the end.
-                        tokens = rows + WARMUP_NEW_TOKENS
-                        params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=0, end_id=-1)
-                        streams = [self.stream([0], params) for _ in range(rows)]
-                        for chunks in streams:
-                            for _ in chunks:
-                                pass
+            buckets, start = self.scheduler.batch.buckets, time.perf_counter()
+            for done, rows in enumerate(buckets):
+                # Compiling every bucket takes minutes with empty caches: say where it is.
+                print(
+                    f"warm-up: batch bucket {rows} ({done + 1} of {len(buckets)}), "
+                    f"{time.perf_counter() - start:.0f} s so far",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                if isinstance(self.scheduler.step, SpecStep):  # every tier's greedy graph, and its cost
+                    self.scheduler.calibrate(rows)
+                    continue
+                # The bucket's decode graph, greedy and sampled (by default).
+                for temperature in temperatures:
+                    # Prompts are prefilled one an iteration: each request outlives the prefills of the
+                    # others, so that `rows` rows decode together at the end.
+                    tokens = rows + WARMUP_NEW_TOKENS
+                    params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=0, end_id=-1)
+                    streams = [self.stream([0], params) for _ in range(rows)]
+                    for chunks in streams:
+                        for _ in chunks:
+                            pass
             for n in warm_up_prompt_lengths(self.limits):  # every prompt bucket's graph, each first-token mode
                 for temperature in temperatures:
                     self.generate([0] * n, SamplingParams(max_tokens=1, temperature=temperature, seed=0, end_id=-1))

@@ -443,13 +443,12 @@ class Scheduler:
             r.paused_until = controller.steps + cfg.request_pause
             r.accepted_mean = None
 
-    def calibrate(self) -> None:
-        """Measure every batch bucket's tiers now (at load) rather than at each bucket's first step."""
+    def calibrate(self, bucket: int) -> None:
+        """Measure a batch bucket's tiers now (at load) rather than at the bucket's first step."""
         assert self.spec is not None and self.controller is not None
         with torch.inference_mode():
-            for bucket in self.spec.buckets:
-                if not self.controller.calibrated(bucket):
-                    self._calibrate(bucket)
+            if not self.controller.calibrated(bucket):
+                self._calibrate(bucket)
 
     def _calibrate(self, bucket: int) -> None:
         """Time every tier in `bucket` (the plain tier's deferring step: most steps in a row of plain steps);
