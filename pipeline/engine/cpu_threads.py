@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import ParamSpec, TypeVar
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
-def on_own_thread(fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) on a thread that ends before this returns (its pool with it); exceptions propagate."""
+def on_own_thread(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """fn(*args, **kwargs) on a thread that ends before this returns (its pool with it); exceptions propagate."""
     with ThreadPoolExecutor(max_workers=1) as worker:
-        return worker.submit(fn, *args).result()
+        return worker.submit(fn, *args, **kwargs).result()

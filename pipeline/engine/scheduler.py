@@ -443,12 +443,13 @@ class Scheduler:
             r.paused_until = controller.steps + cfg.request_pause
             r.accepted_mean = None
 
-    def calibrate(self, bucket: int) -> None:
-        """Measure a batch bucket's tiers now (at load) rather than at the bucket's first step."""
+    def calibrate(self, bucket: int | None = None) -> None:
+        """Measure a batch bucket's tiers (None: every bucket's) now, at load, rather than at its first step."""
         assert self.spec is not None and self.controller is not None
         with torch.inference_mode():
-            if not self.controller.calibrated(bucket):
-                self._calibrate(bucket)
+            for b in self.spec.buckets if bucket is None else [bucket]:
+                if not self.controller.calibrated(b):
+                    self._calibrate(b)
 
     def _calibrate(self, bucket: int) -> None:
         """Time every tier in `bucket` (the plain tier's deferring step: most steps in a row of plain steps);
