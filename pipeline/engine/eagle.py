@@ -370,7 +370,7 @@ class EagleRows:
         self.pending_features = weight.new_zeros(state_rows, run, width)
         self.num_pending = torch.zeros(state_rows, dtype=torch.long, device=weight.device)
         self.last_feature = weight.new_zeros(state_rows, width)  # the feature before a chunk's first pair
-        self.run_ids = torch.arange(run, device=weight.device)
+        self.run, self.run_ids = run, torch.arange(run, device=weight.device)
 
     def host_draft(self, history: list[int]) -> list[int]:
         return []
@@ -415,7 +415,7 @@ class EagleRows:
     def draft(self, rows: Drafting, tier: Tier) -> torch.Tensor:
         if rows.defer:  # a plain step whose pair joins the pending ones
             return rows.roots[:, None]
-        b, ids, run = rows.roots.shape[0], self.run_ids, self.run_ids.shape[0]
+        b, ids, run = rows.roots.shape[0], self.run_ids, self.run
         pending = self.num_pending[rows.state]
         start = (rows.lengths - pending).clamp(min=0)  # pairs cached before the pending ones (padding rows: 0)
         positions = start[:, None] + ids[None, :]
@@ -466,7 +466,7 @@ class EagleRows:
     def accepted(self, rows: Drafting, tier: Tier, result: Verified) -> None:
         feats = self.features(result.hidden, result.captured)  # [B, T, F]
         if rows.defer:  # appended after the pending pairs; padding rows share state row 0: kept in bounds
-            slot = self.num_pending[rows.state].clamp(max=self.run_ids.shape[0] - 1)
+            slot = self.num_pending[rows.state].clamp(max=self.run - 1)
             self.pending_tokens[rows.state, slot] = result.tokens[:, 0]
             self.pending_features[rows.state, slot] = feats[:, 0]
             self.num_pending[rows.state] = slot + 1

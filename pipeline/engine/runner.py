@@ -205,10 +205,10 @@ class Engine:
             return
         if self.batched:
             buckets, start = self.scheduler.batch.buckets, time.perf_counter()
-            for done, rows in enumerate(buckets):
+            for i, rows in enumerate(buckets):
                 # Compiling every bucket takes minutes with empty caches: say where it is.
                 print(
-                    f"warm-up: batch bucket {rows} ({done + 1} of {len(buckets)}), "
+                    f"warm-up: batch bucket {rows} ({i + 1} of {len(buckets)}), "
                     f"{time.perf_counter() - start:.0f} s so far",
                     file=sys.stderr,
                     flush=True,

@@ -125,8 +125,9 @@ def check_gemv(device: str) -> None:
         rotary = Rotary(dim, 1e4, None, 64)
         rope_args = rotary.cos, rotary.sin, torch.tensor([37]), torch.tensor([6])  # RoPE position, cache slot
         for norm_weight in (g, None):  # None: a layer without an input norm (an EAGLE-1 draft's first)
-            caches = [torch.zeros(2, 2, 10, kv_heads, dim, dtype=torch.bfloat16) for _ in range(4)]
-            want_k, want_v, got_k, got_v = caches
+            want_k, want_v, got_k, got_v = (
+                torch.zeros(2, 2, 10, kv_heads, dim, dtype=torch.bfloat16) for _ in range(4)
+            )
             want = rope_store(gemv(x, w, norm_weight, 1e-5), *rope_args, want_k, want_v, 1, heads)
             close(gemv_rope_store(x, w, norm_weight, 1e-5, *rope_args, got_k, got_v, 1, heads), want, 1e-2)
             assert want_k[1, 0, 6].any() and torch.equal(got_v, want_v)
