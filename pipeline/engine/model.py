@@ -240,7 +240,7 @@ class Attention(nn.Module):
         assert isinstance(ctx.cache, KVCache), "a block pool is read through ctx.paged"
         keys, values = ctx.cache.read(layer, ctx.attn_len)
         q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
-        if self.num_kv_heads != self.num_heads and not ctx.is_causal:
+        if q.is_cuda and self.num_kv_heads != self.num_heads and not ctx.is_causal:
             out = grouped_query_attention(q, keys, values, ctx.mask)
         else:
             out = F.scaled_dot_product_attention(
