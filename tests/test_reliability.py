@@ -347,6 +347,11 @@ def test_a_killed_tritonserver_is_restarted_on_the_same_ports(tiny_llama_dir, tm
         assert len(server.crashes) == 1 and server.failure is None
         assert list(SHM_DIR.glob(f"{server.shm_prefix}*")), "the restarted server's stubs have no shared memory"
         pids = (first_pid, server.process.pid)
+        # The launcher notes the restart once its watchdog is back, which can come after clients see ready.
+        deadline = time.monotonic() + RESTART_S
+        while "tritonserver is ready again" not in log_file.read_text():
+            assert time.monotonic() < deadline, f"no restart note {RESTART_S:.0f} s after ready; see {log_file}"
+            time.sleep(0.1)
     text = log_file.read_text()
     assert f"tritonserver (pid {first_pid}) exited unasked with signal SIGKILL" in text
     assert "tritonserver is ready again" in text
