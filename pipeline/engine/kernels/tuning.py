@@ -50,8 +50,8 @@ class KernelTuning:
     # through the paged kernel (routing.paged_layer), instead of the library products and inductor's fusions.
     paged_layer: bool = True
     # Decode rows (one token a row) take it from the first to the second row count (one row through the
-    # single-token GEMVs); 32 and 64 rows stream faster through cuBLAS's products (see BENCHMARKS.md).
-    paged_decode_rows: tuple[int, int] = (1, 16)
+    # single-token GEMVs); at 32 and 64 rows it is faster than the library path, compiled or not (BENCHMARKS.md).
+    paged_decode_rows: tuple[int, int] = (1, 64)
     # Their (BLOCK_M tokens, BLOCK_N outputs, BLOCK_K columns, warps, stages), for the QKV product with rotary,
     # the gated gate/up and the others: latency-bound products, so small tiles on many SMs and deep pipelines
     # (measured faster on the H200; see BENCHMARKS.md).
