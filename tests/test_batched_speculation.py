@@ -328,6 +328,27 @@ def test_a_drafting_tier_that_delivers_less_than_its_estimate_gives_way_to_anoth
     assert controller.choose(4, 4, 4) == chain2
 
 
+def test_idle_time_ends_a_window_unmeasured_and_plain_steps_say_why():
+    """A window open when the last request leaves ends without a rate (the wait for the next request is
+    neither mode's), and the controller counts its plain steps by why."""
+    tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
+    now = [0.0]
+    controller = TierController(tiers, AdaptiveConfig(explore_every=10**6), clock=lambda: now[0])
+    controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 1.5] + [10.0] * (len(tiers) - 2)
+    assert controller.choose(4, 4, 4) == 1  # the first window drafts
+    controller.emitted(4, 8)
+    controller.idle()
+    now[0] += 1000.0  # no request for a while
+    for _ in range(controller.config.window_steps):
+        assert controller.choose(4, 4, 4) == 1  # a new window, drafting still (no window has closed)
+        now[0] += 1.0
+        controller.emitted(4, 6)
+    assert controller.delivered == {(4, True): 6.0}  # 6 tokens a second: the idle 1,000 s are not in it
+    assert controller.choose(4, 4, 0) == 0  # no row drafts
+    assert controller.choose(4, 4, 4) == 0  # plain's first window
+    assert controller.plain_why == {"no row drafts": 1, "plain window": 1}
+
+
 def test_a_bucket_runs_the_mode_whose_windows_delivered_more():
     """Plain or drafting is what the windows measured (wall time, everything inside them counted), whatever
     the tiers' estimates say: the losing mode runs one window in window_explore while the two are close,

@@ -194,6 +194,7 @@ def sweep(
     rows = []
     for c in levels:
         before = dict(controller.chosen) if controller is not None else {}
+        why = dict(controller.plain_why) if controller is not None else {}
         chunks, seconds = (scheduler.prefill_chunks, scheduler.prefill_seconds) if scheduler else (0, 0.0)
         row = run_level(client, prompts, c, params, min_requests)
         if scheduler is not None:  # the share of the level's wall time its prefills held the scheduler
@@ -205,6 +206,7 @@ def sweep(
                 for i, n in sorted(controller.chosen.items())
                 if n > before.get(i, 0)
             }
+            row["plain_why"] = {k: n - why.get(k, 0) for k, n in controller.plain_why.items() if n > why.get(k, 0)}
             row["controller"] = controller_state(controller)
         rows.append(row)
         print(
@@ -213,6 +215,7 @@ def sweep(
             + (f"  tokens/step {row['tokens_per_step']:.2f}" if row.get("tokens_per_step") else "")
             + (f"  prefill {row['prefill_share']:.0%}" if "prefill_share" in row else "")
             + (f"  tiers {row['tiers']}" if row.get("tiers") else "")
+            + (f"  plain: {row['plain_why']}" if row.get("plain_why") else "")
             + (f"  errors {len(row['errors'])}" if row["errors"] else ""),
             flush=True,
         )
@@ -280,7 +283,10 @@ def tuning_variant(text: str) -> KernelTuning:
 
 def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
     serving = SchedulerConfig(
-        max_batch_size=args.max_batch_size, batched=not args.single_stream, speculation=args.speculation
+        max_batch_size=args.max_batch_size,
+        batched=not args.single_stream,
+        speculation=args.speculation,
+        invariant=args.invariant,
     )
     if args.shape:
         engine = random_engine(SHAPES[args.shape], torch.device(args.device), args.max_batch_size, args.draft, serving)
@@ -289,10 +295,10 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
         return engine, f"{args.shape}-random" + (f"-{args.draft}" if args.draft else ""), None
     engine = Engine.from_dir(args.engine, device=args.device, serving=serving)
     retune(engine, args.tuning)
-    if engine.scheduler.controller is not None:  # every bucket's tier costs now, not inside a measured level
-        on_own_thread(engine.scheduler.calibrate)  # a thread that ends: no second CPU thread pool
-    else:  # CUDA: every batch bucket's graphs now, not inside a measured level
+    if engine.device.type == "cuda":  # every bucket's graphs (each tier's, and its cost) now, not in a level
         engine.warm_up(tuple(1.0 if t else 0.0 for t in args.temperatures))
+    elif engine.scheduler.controller is not None:  # every bucket's tier costs now, not inside a measured level
+        on_own_thread(engine.scheduler.calibrate)  # a thread that ends: no second CPU thread pool
     return engine, args.engine.name, engine.tokenizer
 
 
@@ -354,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--single-stream", action="store_true", help="a plain engine off the batches (one request at a time)"
     )
+    p.add_argument("--invariant", action="store_true", help="batch-invariant kernels (SchedulerConfig.invariant)")
     p.add_argument("--speculation", default="adaptive", help="speculative engines' tiers: adaptive, off, full, TIER")
     p.add_argument("--triton", action="store_true", help="also through the bundled tritonserver (gRPC streaming)")
     p.add_argument("--tuning", type=tuning_variant, default=None, help=f"CUDA: the target's kernel tuning, {HELP}")
@@ -367,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--engine {args.engine}: no config.json; build one with `make build-engines`")
     levels = args.concurrency or (CUDA_LEVELS if args.device.startswith("cuda") else CPU_LEVELS)
     engine, label, tokenizer = load_engine(args)
-    label = args.label or label
+    label = (args.label or label) + ("-invariant" if args.invariant else "")
     if tokenizer is None or args.prompt_ids is not None:
         if args.prompt_ids is None:
             raise SystemExit("--shape needs --prompt-ids FILE (written by --engine DIR --write-prompt-ids FILE)")
@@ -417,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "capacity": engine.capacity,
             "tuning": format_variant(args.tuning) if args.tuning is not None else "base",
+            "invariant": args.invariant,
             "environment": environment(torch.device(args.device)),
             "results": results,
         },

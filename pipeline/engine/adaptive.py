@@ -97,6 +97,9 @@ class TierController:
     window: Window | None = None  # the window the steps run in
     opened: dict[int, int] = field(default_factory=dict)  # bucket -> windows opened
     delivered: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, drafting) -> tokens a second
+    # Plain steps of the adaptive policy by why (observability): "no row drafts" (every row opted out or is
+    # paused for low acceptance), "plain window".
+    plain_why: dict[str, int] = field(default_factory=dict)
     clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self) -> None:
@@ -149,14 +152,16 @@ class TierController:
         """The tier for a step of `rows` rows (in `bucket`), `drafting` of which may accept drafts."""
         self.steps += 1
         policy = self.config.policy
-        if policy == "off" or drafting == 0:
+        if policy == "off":
             return 0
+        if drafting == 0:
+            return self._plain("no row drafts")
         if policy == "full":
             return len(self.tiers) - 1
         if policy != "adaptive":
             return self.names.index(policy)
         if not self._window(bucket).drafting:
-            return 0
+            return self._plain("plain window")
         costs = self.costs(bucket)
         speed = [(rows + drafting * self.expected(i)) / costs[i] for i in range(len(self.tiers))]
         for i in range(1, len(speed)):  # a tier that has run here is worth at most what it delivered
@@ -174,6 +179,14 @@ class TierController:
                 break
         self.last_run[(bucket, best)] = self.steps
         return best
+
+    def _plain(self, why: str) -> int:
+        self.plain_why[why] = self.plain_why.get(why, 0) + 1
+        return 0
+
+    def idle(self) -> None:
+        """No request is left: the open window ends unmeasured (idle time is neither mode's)."""
+        self.window = None
 
     def _window(self, bucket: int) -> Window:
         """The window a step of `bucket` runs in: the open one, or a new one (load moved to another bucket:

@@ -213,8 +213,8 @@ class Engine:
                     file=sys.stderr,
                     flush=True,
                 )
-                if isinstance(self.scheduler.step, SpecStep):  # every tier's greedy graph, and its cost
-                    self.scheduler.calibrate(rows)
+                if isinstance(self.scheduler.step, SpecStep):  # every tier's graphs, and its cost
+                    self.scheduler.calibrate(rows, sampled=any(t > 0 for t in temperatures))
                     continue
                 # The bucket's decode graph, greedy and sampled (by default).
                 for temperature in temperatures:

@@ -241,6 +241,8 @@ class Scheduler:
                 self._drop_cancelled()
                 if not self.waiting and not self.running:
                     self.inflight = None  # only finished rows' steps can be left: nothing to read
+                    if self.controller is not None:
+                        self.controller.idle()
                     self.thread = None  # idle: the next request starts another thread
                     return
                 if self.serial is None:
@@ -443,13 +445,19 @@ class Scheduler:
             r.paused_until = controller.steps + cfg.request_pause
             r.accepted_mean = None
 
-    def calibrate(self, bucket: int | None = None) -> None:
-        """Measure a batch bucket's tiers (None: every bucket's) now, at load, rather than at its first step."""
+    def calibrate(self, bucket: int | None = None, sampled: bool = False) -> None:
+        """Measure a batch bucket's tiers (None: every bucket's) now, at load, rather than at its first step;
+        sampled: capture each tier's sampling graphs too (CUDA), which a first sampled request would otherwise
+        capture inside its steps."""
         assert self.spec is not None and self.controller is not None
         with torch.inference_mode():
             for b in self.spec.buckets if bucket is None else [bucket]:
                 if not self.controller.calibrated(b):
                     self._calibrate(b)
+                if sampled:
+                    for tier in range(len(self.spec.tiers)):
+                        for defer in (False, True) if tier == 0 else (False,):
+                            self._padding_step(b, tier, defer, temperature=1.0)
 
     def _calibrate(self, bucket: int) -> None:
         """Time every tier in `bucket` (the plain tier's deferring step: most steps in a row of plain steps);
@@ -458,11 +466,12 @@ class Scheduler:
         self._padding_step(bucket, 0, defer=False)
         self.controller.calibrate(bucket, functools.partial(self._padding_step, bucket))
 
-    def _padding_step(self, bucket: int, tier: int, defer: bool | None = None) -> None:
+    def _padding_step(self, bucket: int, tier: int, defer: bool | None = None, temperature: float = 0.0) -> None:
         """A step of `bucket` padding rows (the scratch block, state row 0), waited for: calibration."""
         spec = self.spec
         assert spec is not None
         ints, floats = spec.new_row()
+        floats[TEMPERATURE], floats[TOP_P] = temperature, 1.0  # a sampled step unfiltered (step_mode)
         out = spec.speculate(
             np.stack([ints] * bucket),
             np.stack([floats] * bucket),
