@@ -110,7 +110,9 @@ verify: setup
 	$(SPECPIPE) verify --url 127.0.0.1:$(GRPC_PORT) --target $(TARGET) --num-prompts $(VERIFY_PROMPTS) \
 	  --max-tokens $(VERIFY_MAX_TOKENS) --report reports/verify.json
 
-# Build the engine, generate the repository, start tritonserver, verify against Hugging Face, stop.
+# Build the engine, generate the repository, start tritonserver, verify against Hugging Face, stop. The
+# repository takes batch-invariant kernels (CUDA): a request's output does not depend on the load.
+demo: SERVE_FLAGS += --invariant
 demo: triton-repo
 	$(SPECPIPE) verify --repo $(REPO) --target $(TARGET) --num-prompts $(VERIFY_PROMPTS) \
 	  --max-tokens $(VERIFY_MAX_TOKENS) --report reports/demo-verify.json

@@ -6,4 +6,5 @@
 - tree_gemm: products of a tree's rows: cuBLAS, rows_gemm and its tiles (MLP, small layers).
 - eagle_step: the EAGLE dynamic step on random weights, A/B by kernel tuning.
 - invariance: the batch-invariant products against cuBLAS and the GEMV, and which routes are row invariant.
+- catch_up: EAGLE's acceptance after runs of plain steps, its drafter's catch-up deferred or at every step.
 """
