@@ -3,7 +3,8 @@ by the tiers' expected tokens per second.
 
 Plain or drafting, a bucket at a time: steps run in windows of a batch bucket, each window plain or drafting
 throughout, and a window's rate is the tokens emitted over its wall time, whatever ran inside it (prefills,
-the host's work a row, a prefill waiting behind a longer step). A bucket runs the mode whose windows
+the host's work a row, a prefill waiting behind a longer step; not the wait for a request when none is left:
+that window ends unmeasured). A bucket runs the mode whose windows
 delivered more, and the other one window in so many: often while the two are close, rarely while the loser
 is far behind, so exploring costs at most a set share of the bucket's speed.
 
