@@ -10,10 +10,12 @@ well above device: the host (the scheduler's loop, the clients) sets the step ti
   python -m pipeline.bench.probes.batch_step base paged_decode_rows=2/16 --rows 1,8,64
   python -m pipeline.bench.probes.batch_step base --device cpu --shape tiny --rows 1,4 --tokens 24   # smoke test
 
---draft eagle measures an engine with a random EAGLE drafter instead: each of its tiers (--tiers) runs alone
-(the controller's policy set to it, no request paused for its acceptance) for the same rows, with the same
-measures plus `wall`, the controller's read-to-read seconds a step of that tier. Random drafts are rejected,
-so a drafting step emits one token a row: served and wall are the step's time.
+--draft eagle measures an engine with a random EAGLE drafter instead (--draft plain,eagle: both, one after the
+other): each of its tiers (--tiers) runs alone (the controller's policy set to it, no request paused for its
+acceptance) for the same rows, with the same measures plus `wall`, the controller's read-to-read seconds a step
+of that tier. Random drafts are rejected, so a drafting step emits one token a row: served and wall are the
+step's time. The plain tier's device time is its deferring step's (most steps of a run of plain steps);
+`catch_up_ms` is its other step's, which catches the drafter up on the pairs deferred.
 """
 
 from __future__ import annotations
@@ -103,6 +105,9 @@ def tier_rows(engine: Engine, name: str, prompt: list[int], rows: int, tokens: i
         if engine.device.type == "cuda":
             graph = spec.spec_graphs[(bucket, index, "greedy", index == 0)]
             row["device_ms"], row["kernels"], row["by_name"] = device_ms(graph)
+            if index == 0:
+                catch_up = spec.spec_graphs[(bucket, 0, "greedy", False)]
+                row["catch_up_ms"], row["catch_up_kernels"], row["catch_up_by_name"] = device_ms(catch_up)
         out.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "by_name"}), flush=True)
     return out
@@ -116,11 +121,18 @@ def main() -> None:
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--draft", choices=("eagle",), default=None, help="a random EAGLE drafter's tiers instead")
+    ap.add_argument(
+        "--draft",
+        type=lambda s: s.split(","),
+        default=["plain"],
+        help="plain, eagle (a random EAGLE drafter's tiers) or plain,eagle",
+    )
     ap.add_argument("--tiers", type=lambda s: s.split(","), default=[], help="with --draft: these tiers (all)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args()
     variants = parse_variants(ap, args.variants)
+    if not set(args.draft) <= {"plain", "eagle"}:
+        ap.error(f"--draft {','.join(args.draft)}: give plain, eagle or plain,eagle")
     if args.tokens <= max(args.rows) + 8:
         ap.error(f"--tokens {args.tokens}: give more than the most rows + 8, so that every row decodes a while")
 
@@ -130,14 +142,15 @@ def main() -> None:
     results = []
     with torch.inference_mode():
         for name, tuning in variants.items():
-            for draft in [args.draft]:
+            for kind in args.draft:
+                draft = None if kind == "plain" else kind
                 start = time.time()
                 engine = random_engine(shape, device, max(args.rows), draft, SchedulerConfig())
                 if device.type == "cuda":
                     attach(engine.target, tuning=tuning)  # before any of this engine's graphs is captured
                 for rows in args.rows:  # compiles and captures the rows' bucket (every tier's: calibration)
                     served_ms(engine, prompt, rows, rows + 16)
-                print(f"{name} {draft or 'plain'}: compiled and captured in {time.time() - start:.1f} s", flush=True)
+                print(f"{name} {kind}: compiled and captured in {time.time() - start:.1f} s", flush=True)
                 for rows in args.rows:
                     if draft:
                         results += tier_rows(engine, name, prompt, rows, args.tokens, args.tiers)
@@ -146,11 +159,12 @@ def main() -> None:
                         print(json.dumps({k: v for k, v in results[-1].items() if k != "by_name"}), flush=True)
                 del engine
     head = f"{'variant':<24} {'tier':<7} {'rows':>5} {'served ms':>10} {'wall ms':>8} {'device ms':>10} {'kernels':>8}"
-    print("\n" + head)
+    print("\n" + head + f" {'catch-up ms':>11}")
     for r in results:
         dev = f"{r['device_ms']:>10.3f} {r['kernels']:>8.0f}" if "device_ms" in r else f"{'-':>10} {'-':>8}"
         wall = f"{r['wall_ms']:>8.3f}" if "wall_ms" in r else f"{'-':>8}"
-        print(f"{r['variant']:<24} {r['tier']:<7} {r['rows']:>5} {r['served_ms']:>10.3f} {wall} {dev}")
+        catch_up = f"{r['catch_up_ms']:>11.3f}" if "catch_up_ms" in r else f"{'-':>11}"
+        print(f"{r['variant']:<24} {r['tier']:<7} {r['rows']:>5} {r['served_ms']:>10.3f} {wall} {dev} {catch_up}")
     if args.json:
         env = environment(torch.device(args.device))
         args.json.write_text(json.dumps({"environment": env, "shape": args.shape, "results": results}, indent=1))
