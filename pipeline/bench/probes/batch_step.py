@@ -109,7 +109,7 @@ def tier_rows(engine: Engine, name: str, prompt: list[int], rows: int, tokens: i
                 catch_up = spec.spec_graphs[(bucket, 0, "greedy", False)]
                 row["catch_up_ms"], row["catch_up_kernels"], row["catch_up_by_name"] = device_ms(catch_up)
         out.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "by_name"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("by_name")}), flush=True)
     return out
 
 
