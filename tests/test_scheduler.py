@@ -108,6 +108,21 @@ def test_prefill_chunks_do_not_change_a_prompts_output(engine_dir, engine):
         assert chunked.generate(ids, params).token_ids == engine.generate(ids, params).token_ids
 
 
+def test_the_stream_interval_groups_tokens_and_keeps_them(engine_dir, engine):
+    """Chunks after the first hold at least the interval's tokens (the last may hold fewer); the tokens are
+    those of an interval of 1. Automatic: one token a chunk while few requests run."""
+    assert engine.scheduler.stream_interval() == 1
+    work = jobs(engine, 4)
+    alone = [engine.generate(ids, params).token_ids for ids, params in work]
+    grouped = Engine.from_dir(engine_dir, serving=SchedulerConfig(stream_interval=4))
+    for (ids, params), want in zip(work, alone):
+        sizes = [len(c.token_ids) for c in grouped.stream(ids, params)]
+        assert sum(sizes) == len(want) and sizes[0] == 1 and min(sizes[1:-1], default=4) >= 4, sizes
+        assert grouped.generate(ids, params).token_ids == want
+    with pytest.raises(UserError, match="--stream-interval 0: must be >= 1"):
+        SchedulerConfig(stream_interval=0)
+
+
 def test_more_requests_than_blocks_queue_and_complete(tiny_llama_dir, tmp_path, engine):
     # 8 blocks of 8 tokens: each request's worst case (prompt + max_tokens) takes 3-6 blocks.
     short = convert_and_build(tiny_llama_dir, tmp_path, max_seq_len=64, max_input_len=24)

@@ -287,6 +287,7 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
         batched=not args.single_stream,
         speculation=args.speculation,
         invariant=args.invariant,
+        stream_interval=args.stream_interval,
     )
     if args.shape:
         engine = random_engine(SHAPES[args.shape], torch.device(args.device), args.max_batch_size, args.draft, serving)
@@ -360,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--single-stream", action="store_true", help="a plain engine off the batches (one request at a time)"
     )
+    p.add_argument("--stream-interval", type=int, default=None, help="SchedulerConfig.stream_interval (default auto)")
     p.add_argument("--invariant", action="store_true", help="batch-invariant kernels (SchedulerConfig.invariant)")
     p.add_argument("--speculation", default="adaptive", help="speculative engines' tiers: adaptive, off, full, TIER")
     p.add_argument("--triton", action="store_true", help="also through the bundled tritonserver (gRPC streaming)")

@@ -56,6 +56,10 @@ from pipeline.errors import UserError
 
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_PREFILL_CHUNK = 512
+# The automatic stream interval holds each request's tokens until it has this share of the running
+# requests' count (rounded up): every consumer thread woken costs the scheduler the GIL for a while, so a
+# step wakes about this many of them whatever the load, and at most this many requests run with an interval of 1.
+STREAM_WAKES_PER_STEP = 8
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,9 @@ class SchedulerConfig:
     batched: bool = True  # False: one request at a time through the engine's own decode loop
     speculation: str = "adaptive"  # speculative engines: adaptive tiers, "off", "full", or one tier's name
     invariant: bool = False  # CUDA: batch-invariant kernels for the target (kernels.invariant)
+    # Tokens a request's stream chunk holds at least (its first and last chunks aside); None: automatic,
+    # 1 up to STREAM_WAKES_PER_STEP running requests, then growing with them.
+    stream_interval: int | None = None
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> SchedulerConfig:
@@ -79,7 +86,7 @@ class SchedulerConfig:
             "max_num_tokens": "max_num_tokens",
             "kv_block_size": "block_size",
         }
-        own = {"max_batch_size", "max_queue", "prefill_chunk", "speculation", "invariant", "batched"}
+        own = {"max_batch_size", "max_queue", "prefill_chunk", "stream_interval", "speculation", "invariant", "batched"}
         unknown = set(options) - own - set(cache_keys)
         if unknown:
             raise UserError(
@@ -90,7 +97,7 @@ class SchedulerConfig:
         return cls(cache=cache, **{k: v for k, v in options.items() if k in own})
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_queue", "prefill_chunk"):
+        for name in ("max_batch_size", "max_queue", "prefill_chunk", "stream_interval"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, int):
                 raise UserError(f"--{name.replace('_', '-')} {value!r}: must be an integer")
@@ -108,6 +115,7 @@ class Request:
     floats: np.ndarray
     table: list[int] = field(default_factory=list)  # pool blocks, in sequence order
     out: list[int] = field(default_factory=list)
+    streamed: int = 0  # tokens of `out` put in its stream chunks so far
     stats: SpecStats = field(default_factory=SpecStats)
     cached: int = 0  # tokens whose KV is in the pool (or will be, once the step in flight has run), at least
     slack: int = 0  # ... and at most this many more: drafts a step not read yet may have accepted
@@ -481,20 +489,29 @@ class Scheduler:
         )
         spec.readback.start(out).read()
 
+    def stream_interval(self) -> int:
+        """Tokens a stream chunk holds at least now (SchedulerConfig.stream_interval)."""
+        if self.config.stream_interval is not None:
+            return self.config.stream_interval
+        return max(1, -(-len(self.running) // STREAM_WAKES_PER_STEP))
+
     def _emit(self, rows: list[Request], tokens: list[list[int]]) -> None:
-        """Each row's new tokens through its stop conditions; one chunk each; finished rows leave."""
+        """Each row's new tokens through its stop conditions; a chunk for its first tokens, its last ones,
+        and whenever it holds the stream interval's worth; finished rows leave."""
+        interval = self.stream_interval()
         for r, new_tokens in zip(rows, tokens):
-            new = r.stop.take(r.out, new_tokens)
+            r.stop.take(r.out, new_tokens)
             if r.cancelled:
                 continue  # dropped at the next iteration
             if r.stop.reason:
                 result = self.result(r.prompt_ids, r.out, r.stop.reason, r.stats)
                 result.kv_blocks = len(r.table)
-                r.chunks.put(StreamChunk(new, True, result))
+                r.chunks.put(StreamChunk(r.out[r.streamed :], True, result))
                 with self.lock:
                     self._release(r)
-            else:
-                r.chunks.put(StreamChunk(new, False))
+            elif not r.streamed or len(r.out) - r.streamed >= interval:
+                r.chunks.put(StreamChunk(r.out[r.streamed :], False))
+                r.streamed = len(r.out)
 
     def _release(self, r: Request) -> None:
         # A step still in flight may write this request's blocks: it was queued before any later owner's work.

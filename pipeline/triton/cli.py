@@ -31,6 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     serving.add_argument("--max-batch-size", type=int, help="requests a step runs at once (default: the engine's)")
     serving.add_argument("--max-queue", type=int, help="requests waiting before new ones get 'busy, retry'")
     serving.add_argument("--prefill-chunk", type=int, help="prompt tokens prefilled between two decode steps")
+    serving.add_argument(
+        "--stream-interval",
+        type=int,
+        help="tokens a streamed response holds at least, first and last aside (default: 1 up to 8 running "
+        "requests, then running/8 rounded up: fewer consumer wake-ups a step under load)",
+    )
     serving.add_argument("--kv-cache-fraction", type=float, help="share of free GPU memory for the KV cache pool")
     serving.add_argument("--max-num-tokens", type=int, help="KV cache pool size in tokens (instead of the fraction)")
     serving.add_argument("--kv-block-size", type=int, help="tokens per KV cache block")
@@ -82,6 +88,7 @@ SERVING_OPTIONS = (
     "max_batch_size",
     "max_queue",
     "prefill_chunk",
+    "stream_interval",
     "kv_cache_fraction",
     "max_num_tokens",
     "kv_block_size",
