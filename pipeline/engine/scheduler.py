@@ -5,8 +5,9 @@ arrival order while the block pool can hold their worst case (prompt + max_token
 request never runs out of blocks; blocks are taken as sequences grow and given back the moment a
 request finishes or is cancelled. Each iteration queues one decode step for every running request, whose
 new tokens reach the host in one copy while the next step runs, and at most one prefill chunk behind it (so
-a long prompt stalls the running streams by one chunk). Chunks a consumer has not taken yet merge, so a
-slow consumer wakes once for several steps. A consumer that stops reading (closes the stream) cancels its
+a long prompt stalls the running streams by one chunk). A request's tokens reach its stream in chunks of at
+least the stream interval (STREAM_WAKES_PER_STEP), and chunks a consumer has not taken yet merge, so a
+consumer wakes once for several steps. A consumer that stops reading (closes the stream) cancels its
 request at the next iteration.
 
 A speculative engine with a batched proposer runs a SpecStep instead: every running request drafts, is
