@@ -80,6 +80,9 @@ SPEC_CASES = {
         dynamic_depth=4,
         max_draft_len=12,
     ),
+    "eagle-two-layers": lambda d, v: dict(
+        eagle=make_random_eagle(d / "e", HIDDEN, v, layers=2), dynamic_tree=True, dynamic_top_k=4, max_draft_len=12
+    ),
     "eagle3-dynamic": lambda d, v: dict(
         eagle3=make_random_eagle3(d / "e3", HIDDEN, v),
         dynamic_tree=True,

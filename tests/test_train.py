@@ -137,6 +137,21 @@ def test_training_continues_from_a_saved_draft(trained, tiny_target, tmp_path):
     assert not (tmp_path / "c" / TOKENS_FILE).exists()
 
 
+def test_an_eagle_draft_grows_deeper_from_a_saved_one(trained, tiny_target, tmp_path):
+    """--init-from with more --eagle-layers: the added layers start as identity, so the deeper draft starts at
+    the saved draft's held-out loss, and its folder is a two-layer SafeAILab draft (layer 1 with its input norm)."""
+    summary, out = trained
+    base = dict(max_new_tokens=24, gen_batch=8, gen_budget_s=600, feature_batch=8)
+    train = {"eagle": TrainSettings(1, 1e-9, 8, 600.0, 0, eval_every=20)}
+    settings = RunSettings(("eagle",), train=train, **base, eagle_layers=2, init_from={"eagle": out / FOLDERS["eagle"]})
+    grown = run_all(tiny_target, random_prompts(), settings, tmp_path)
+    saved = summary["methods"]["eagle"]["log"]["eval_loss"]
+    assert grown["methods"]["eagle"]["log"]["eval_loss"][0] == pytest.approx(saved[-1], rel=1e-3)
+    weights = load_file(tmp_path / FOLDERS["eagle"] / "model.safetensors")
+    assert "layers.1.input_layernorm.weight" in weights and "layers.0.input_layernorm.weight" not in weights
+    assert json.loads((tmp_path / FOLDERS["eagle"] / "config.json").read_text())["num_hidden_layers"] == 2
+
+
 def test_output_folders_follow_the_converter_formats(trained):
     summary, out = trained
     medusa = load_file(out / FOLDERS["medusa"] / "medusa_lm_head.safetensors")

@@ -129,7 +129,12 @@ def run_settings(args: argparse.Namespace) -> RunSettings:
         raise UserError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     budgets = parse_method_values("--budgets", args.budgets)
     rates = {m: lr for m, (lr, _) in GPU_RECIPE.items()} | (parse_method_values("--lr", args.lr) if args.lr else {})
-    check_positive(eagle_steps=args.eagle_steps, eagle3_steps=args.eagle3_steps, medusa_layers=args.medusa_layers)
+    check_positive(
+        eagle_layers=args.eagle_layers,
+        eagle_steps=args.eagle_steps,
+        eagle3_steps=args.eagle3_steps,
+        medusa_layers=args.medusa_layers,
+    )
     if args.sample_copies < 0 or args.sample_temperature <= 0:
         raise UserError(
             f"--sample-copies {args.sample_copies} must be >= 0 and --sample-temperature "
@@ -142,6 +147,7 @@ def run_settings(args: argparse.Namespace) -> RunSettings:
         medusa_hard_weight=args.medusa_hard_weight,
         init_from=parse_init_from(args.init_from, methods),
         eagle_steps=args.eagle_steps,
+        eagle_layers=args.eagle_layers,
         eagle3_steps=args.eagle3_steps,
         sample_copies=args.sample_copies,
         sample_temperature=args.sample_temperature,
@@ -247,6 +253,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--budgets", default="medusa=90,eagle=150,draft=90,eagle3=90", help="method=seconds,...")
     r.add_argument("--lr", help="method=learning-rate,... overriding the recipe's")
     r.add_argument("--eagle-steps", type=int, default=RunSettings.eagle_steps, help="EAGLE unrolled training steps")
+    r.add_argument("--eagle-layers", type=int, default=RunSettings.eagle_layers, help="EAGLE-1/2 draft layers")
     r.add_argument("--eagle3-steps", type=int, default=RunSettings.eagle3_steps, help="EAGLE-3 unrolled steps")
     r.add_argument("--medusa-layers", type=int, default=RunSettings.medusa_layers, help="residual layers a head")
     r.add_argument(

@@ -1,5 +1,5 @@
-"""EAGLE-1/2 draft (SafeAILab layout): fc over [embedding, feature] and one Llama layer without an
-input norm, predicting the target's next final feature; the target's LM head turns it into a token.
+"""EAGLE-1/2 draft (SafeAILab layout): fc over [embedding, feature] and Llama layers (the first without an
+input norm), predicting the target's next final feature; the target's LM head turns it into a token.
 
 At position j the draft reads x_j = fc([embed(token_{j+1}), f_j]) and its output h_j approximates
 f_{j+1}, so lm_head(h_j) predicts token_{j+2}. Deeper draft steps feed h_j back as the feature.
@@ -43,12 +43,30 @@ class EagleLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class EagleDraft(nn.Module):
+class DeeperLayer(EagleLayer):
+    """A draft layer after the first: a whole Llama decoder layer, input norm included."""
+
     def __init__(self, shape: LayerShape) -> None:
+        super().__init__(shape)
+        self.input_layernorm = RMSNorm(shape.hidden, shape.rms_eps)
+
+    def forward(self, x, cos, sin, keys, values) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def start_as_identity(self) -> None:
+        """Zero the projections that write the residual stream: the layer passes its input through, so a
+        draft grown from a trained shallower one starts where that one ended."""
+        nn.init.zeros_(self.self_attn.o_proj.weight)
+        nn.init.zeros_(self.mlp.down_proj.weight)
+
+
+class EagleDraft(nn.Module):
+    def __init__(self, shape: LayerShape, num_layers: int = 1) -> None:
         super().__init__()
         self.shape = shape
         self.fc = nn.Linear(2 * shape.hidden, shape.hidden, bias=True)
-        self.layers = nn.ModuleList([EagleLayer(shape)])
+        self.layers = nn.ModuleList([EagleLayer(shape)] + [DeeperLayer(shape) for _ in range(num_layers - 1)])
 
     def unroll(
         self, frozen: FrozenHead, tokens: torch.Tensor, features: torch.Tensor, steps: int
@@ -56,13 +74,14 @@ class EagleDraft(nn.Module):
         """Outputs h of each unrolled step; step s at position p belongs to the chain rooted at p - s."""
         next_embed = frozen.embed_tokens(F.pad(tokens[:, 1:], (0, 1)))
         cos, sin = rope_tables(tokens.shape[1], self.shape.head_dim, self.shape.rope_theta, tokens.device)
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
+        keys: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        values: list[list[torch.Tensor]] = [[] for _ in self.layers]
         feature = features
         outs = []
         for _ in range(steps):
-            x = self.fc(torch.cat((next_embed.to(feature.dtype), feature), dim=-1))
-            h = self.layers[0](x, cos, sin, keys, values)
+            h = self.fc(torch.cat((next_embed.to(feature.dtype), feature), dim=-1))
+            for layer, k, v in zip(self.layers, keys, values):
+                h = layer(h, cos, sin, k, v)
             outs.append(h)
             feature = shift_right(h, 1)  # the next step at p continues the chain that was at p - 1
         return outs
@@ -111,12 +130,12 @@ def unrolled_depth_hits(
     return correct, depth_valid(data.lengths, data.prompt_lens, width, len(outs))
 
 
-def eagle_config(shape: LayerShape, vocab_size: int, max_positions: int) -> dict:
+def eagle_config(shape: LayerShape, vocab_size: int, max_positions: int, num_layers: int) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": shape.hidden,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": num_layers,
         "num_attention_heads": shape.heads,
         "num_key_value_heads": shape.kv_heads,
         "head_dim": shape.head_dim,
@@ -136,5 +155,5 @@ def eagle_config(shape: LayerShape, vocab_size: int, max_positions: int) -> dict
 def save_eagle(draft: EagleDraft, folder: Path, vocab_size: int, max_positions: int, dtype: torch.dtype) -> None:
     tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in draft.state_dict().items()}
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-    config = eagle_config(draft.shape, vocab_size, max_positions)
+    config = eagle_config(draft.shape, vocab_size, max_positions, len(draft.layers))
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

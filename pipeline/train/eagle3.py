@@ -109,7 +109,7 @@ def save_eagle3(
 ) -> None:
     tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in draft.state_dict().items()}
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-    config = eagle_config(draft.shape, vocab_size, max_positions)
+    config = eagle_config(draft.shape, vocab_size, max_positions, 1)
     config.update(
         {
             "architectures": ["LlamaForCausalLMEagle3"],

@@ -54,6 +54,7 @@ class RunSettings:
     medusa_layers: int = 1
     medusa_hard_weight: float = 0.0  # share of the Medusa loss on the target's greedy token (medusa_loss)
     eagle_steps: int = 3
+    eagle_layers: int = 1  # decoder layers of the EAGLE-1/2 draft
     eagle3_steps: int = 3
     draft_layers: tuple[int, ...] = (0, 29)
     # Extra train rows: each train prompt continued again, sampled. The target's distribution stays the
@@ -178,7 +179,8 @@ def build_method(method: str, target: LlamaForCausalLM, frozen: FrozenHead, s: R
             lambda f: medusa.save_medusa(heads, f, s.base_model, s.medusa_layers, vocab, SAVE_DTYPE),
         )
     if method == "eagle":
-        ed = eagle.EagleDraft(shape).to(device)  # random init: the target's layers write far larger values
+        # random init: the target's layers write far larger values
+        ed = eagle.EagleDraft(shape, s.eagle_layers).to(device)
         return (
             ed,
             list(ed.parameters()),
@@ -222,13 +224,31 @@ def load_init(method: str, module: nn.Module, folder: Path) -> None:
         )
     saved = load_file(str(path))
     want = module.state_dict()
-    wrong = sorted(set(saved) ^ set(want)) + [k for k in saved if k in want and saved[k].shape != want[k].shape]
+    grown = grown_layers(module, saved)
+    new = {k for k in want if any(k.startswith(f"layers.{i}.") for i in grown)}
+    wrong = sorted(set(saved) ^ (set(want) - new)) + [k for k in saved if k in want and saved[k].shape != want[k].shape]
     if wrong:
         raise UserError(
             f"--init-from {method}={folder}: its tensors do not fit this run's draft (first: {wrong[0]}); "
-            "train the same shape (for Medusa, --medusa-layers as in its config.json)"
+            "train the same shape (for Medusa, --medusa-layers as in its config.json; an EAGLE draft may "
+            "only grow, --eagle-layers at least its config.json's num_hidden_layers)"
         )
-    module.load_state_dict(saved)
+    module.load_state_dict(saved, strict=not grown)
+    for i in grown:
+        assert isinstance(module, eagle.EagleDraft)
+        layer = module.layers[i]
+        assert isinstance(layer, eagle.DeeperLayer)
+        layer.start_as_identity()
+    if grown:
+        print(f"--init-from {method}: layer(s) {', '.join(map(str, grown))} added, starting as identity", flush=True)
+
+
+def grown_layers(module: nn.Module, saved: dict[str, torch.Tensor]) -> list[int]:
+    """Indices of an EAGLE draft's layers past the saved draft's last one (an EAGLE draft may grow deeper)."""
+    if not isinstance(module, eagle.EagleDraft):
+        return []
+    have = {int(k.split(".")[1]) for k in saved if k.startswith("layers.")}
+    return [i for i in range(len(module.layers)) if have and i > max(have)]
 
 
 def pack(folder: Path, pack_dir: Path) -> None:
