@@ -2,8 +2,8 @@
 a killed engine process. Each test ends by checking that the server still serves a normal request.
 
 One server for the module: a tiny random engine speculating with n-grams, so that it serves one request at
-a time (a request that is not cancelled makes the next one wait). The stub-kill test runs last since it
-reloads a model.
+a time (a request that is not cancelled makes the next one wait). The stub-kill tests run last since they
+reload a model.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 import os
 import queue
 import signal
+import threading
 import time
 import uuid
 
@@ -48,6 +49,10 @@ SLOWDOWN_ALLOWED, SLACK_S = 3.0, 2.0
 THREADS_S = 10.0  # the stub's threads are back to their number before the cancel within this
 # The watchdog polls every 0.5 s; the tiny engine reloads in about 10 s on 2 busy cores.
 DETECT_S, RELOAD_S = 5.0, 120.0
+# Streams orphaned by a killed BLS stub ask for this many tokens, so they are still running when it dies; the
+# ensemble must answer within ORPHANED_ANSWER_S (each orphan's stuck send holds the others up to STUCK_SEND_S).
+ORPHAN_MAX_TOKENS = 900
+ORPHANED_ANSWER_S = 60.0
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 8
@@ -231,8 +236,6 @@ def test_a_send_waits_for_no_stuck_sender():
     """Sends are serialized; a send that never returns (a response to a requester that died) holds the lock.
     Here a second stuck sender and a good one wait behind it: the stuck one takes over the lock first and is
     stuck under it too; the good send and every later one still go through."""
-    import threading
-
     from pipeline.triton.send import STUCK_SEND_S, send
 
     release, entered = threading.Event(), threading.Semaphore(0)
@@ -285,6 +288,35 @@ def test_a_killed_engine_stub_is_reloaded_and_health_tells_the_truth(server):
     assert server.watchdog.reloads == [ENGINE_MODEL]
     _serves_normally(server)
     assert "stub of model 'tensorrt_llm' died" in server.tail_text()
+
+
+def test_streams_orphaned_by_a_killed_bls_stub_stop_nothing_else(server):
+    """A BLS stub killed with a stream on every engine row: the engine's responses to its requests are never
+    acknowledged, so each of their sends blocks for good (the ensemble hung behind them). The ensemble still
+    answers, BLS is reloaded and serves again."""
+    responses: queue.Queue = queue.Queue()
+    clients = []
+    for _ in range(LIMITS["max_batch_size"]):
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        client.start_stream(callback=lambda result, error: responses.put(error))
+        inputs = text_inputs(PROMPT, Sampling(max_tokens=ORPHAN_MAX_TOKENS, end_id=-1), stream=True)
+        client.async_stream_infer(BLS, [_grpc_input(k, v) for k, v in inputs.items()])
+        clients.append(client)
+    for _ in range(CHUNKS_BEFORE_CANCEL * len(clients)):
+        assert responses.get(timeout=60) is None
+    victim = next(pid for pid, model in python_stubs(server.process.pid).items() if model == BLS)
+    os.kill(victim, signal.SIGKILL)
+    answered: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: answered.put(_latency(server)), daemon=True).start()
+    assert answered.get(timeout=ORPHANED_ANSWER_S) > 0, "the ensemble did not answer"
+    deadline = time.monotonic() + RELOAD_S
+    while server.watchdog.reloads[-1:] != [BLS]:
+        assert time.monotonic() < deadline, f"{BLS} not reloaded {RELOAD_S:.0f} s after its stub died"
+        time.sleep(0.5)
+    assert _latency(server, BLS) > 0
+    for client in clients:  # their streams never end: the BLS that served them is gone
+        client.stop_stream(cancel_requests=True)
+        client.close()
 
 
 def test_a_stub_killed_as_the_server_comes_up_is_reloaded(tiny_llama_dir, tmp_path):
