@@ -30,35 +30,19 @@ TOKEN_LOSS_WEIGHT = 0.1  # EAGLE's w_cls against w_reg = 1
 
 
 class EagleLayer(nn.Module):
-    """A Llama decoder layer with no input_layernorm: fc's output goes straight into attention."""
+    """A Llama decoder layer. A draft's first has no input_layernorm (fc's output goes straight into
+    attention); later ones have theirs."""
 
-    def __init__(self, shape: LayerShape) -> None:
+    def __init__(self, shape: LayerShape, input_norm: bool = False) -> None:
         super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden, shape.rms_eps) if input_norm else nn.Identity()
         self.self_attn = Attention(shape, shape.hidden)
         self.mlp = MLP(shape)
         self.post_attention_layernorm = RMSNorm(shape.hidden, shape.rms_eps)
 
     def forward(self, x, cos, sin, keys, values) -> torch.Tensor:
-        x = x + self.self_attn(x, cos, sin, keys, values)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DeeperLayer(EagleLayer):
-    """A draft layer after the first: a whole Llama decoder layer, input norm included."""
-
-    def __init__(self, shape: LayerShape) -> None:
-        super().__init__(shape)
-        self.input_layernorm = RMSNorm(shape.hidden, shape.rms_eps)
-
-    def forward(self, x, cos, sin, keys, values) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-    def start_as_identity(self) -> None:
-        """Zero the projections that write the residual stream: the layer passes its input through, so a
-        draft grown from a trained shallower one starts where that one ended."""
-        nn.init.zeros_(self.self_attn.o_proj.weight)
-        nn.init.zeros_(self.mlp.down_proj.weight)
 
 
 class EagleDraft(nn.Module):
@@ -66,7 +50,15 @@ class EagleDraft(nn.Module):
         super().__init__()
         self.shape = shape
         self.fc = nn.Linear(2 * shape.hidden, shape.hidden, bias=True)
-        self.layers = nn.ModuleList([EagleLayer(shape)] + [DeeperLayer(shape) for _ in range(num_layers - 1)])
+        self.layers = nn.ModuleList(EagleLayer(shape, input_norm=i > 0) for i in range(num_layers))
+
+    def start_as_identity(self, first: int) -> None:
+        """Zero the projections that write the residual stream in layers `first` on: they pass their input
+        through, so a draft grown from a trained shallower one starts where that one ended."""
+        for layer in self.layers[first:]:
+            assert isinstance(layer, EagleLayer)
+            nn.init.zeros_(layer.self_attn.o_proj.weight)
+            nn.init.zeros_(layer.mlp.down_proj.weight)
 
     def unroll(
         self, frozen: FrozenHead, tokens: torch.Tensor, features: torch.Tensor, steps: int

@@ -224,8 +224,8 @@ def load_init(method: str, module: nn.Module, folder: Path) -> None:
         )
     saved = load_file(str(path))
     want = module.state_dict()
-    grown = grown_layers(module, saved)
-    new = {k for k in want if any(k.startswith(f"layers.{i}.") for i in grown)}
+    first_new = added_layers(module, saved)
+    new = {k for k in want if first_new is not None and k.startswith("layers.") and int(k.split(".")[1]) >= first_new}
     wrong = sorted(set(saved) ^ (set(want) - new)) + [k for k in saved if k in want and saved[k].shape != want[k].shape]
     if wrong:
         raise UserError(
@@ -233,22 +233,20 @@ def load_init(method: str, module: nn.Module, folder: Path) -> None:
             "train the same shape (for Medusa, --medusa-layers as in its config.json; an EAGLE draft may "
             "only grow, --eagle-layers at least its config.json's num_hidden_layers)"
         )
-    module.load_state_dict(saved, strict=not grown)
-    for i in grown:
+    module.load_state_dict(saved, strict=first_new is None)
+    if first_new is not None:
         assert isinstance(module, eagle.EagleDraft)
-        layer = module.layers[i]
-        assert isinstance(layer, eagle.DeeperLayer)
-        layer.start_as_identity()
-    if grown:
-        print(f"--init-from {method}: layer(s) {', '.join(map(str, grown))} added, starting as identity", flush=True)
+        module.start_as_identity(first_new)
+        print(f"--init-from {method}: layers from {first_new} on added, starting as identity", flush=True)
 
 
-def grown_layers(module: nn.Module, saved: dict[str, torch.Tensor]) -> list[int]:
-    """Indices of an EAGLE draft's layers past the saved draft's last one (an EAGLE draft may grow deeper)."""
+def added_layers(module: nn.Module, saved: dict[str, torch.Tensor]) -> int | None:
+    """An EAGLE draft may grow deeper than the saved one: the index of its first layer the saved draft lacks
+    (None: the same depth, or not an EAGLE draft)."""
     if not isinstance(module, eagle.EagleDraft):
-        return []
-    have = {int(k.split(".")[1]) for k in saved if k.startswith("layers.")}
-    return [i for i in range(len(module.layers)) if have and i > max(have)]
+        return None
+    depth = 1 + max((int(k.split(".")[1]) for k in saved if k.startswith("layers.")), default=-1)
+    return depth if 0 < depth < len(module.layers) else None
 
 
 def pack(folder: Path, pack_dir: Path) -> None:
