@@ -446,10 +446,10 @@ def paged_mask(view: PagedView) -> torch.Tensor:
 
 def paged_context(view: PagedView, rotary: Rotary) -> ForwardContext:
     """Context for a batched step over the block pool. Token t of row b (at view.positions[b, t]) reads its
-    row's sequence below view.prefix[b, t] and then its region (decode and tree steps), or, without a
-    region (a prefill chunk), every index up to and including its own position. The mask is built only
-    where no paged kernel reads the region itself (the CPU, prefill chunks): a captured step that is not
-    compiled would otherwise build it, unread, in every replay."""
+    row's sequence below view.prefix[b, t] and then its region (decode, tree and prefill steps; a prefill
+    token's region is its own slot), or, without a region, every index up to and including its own position.
+    The mask is built only where no paged kernel reads the region itself (the CPU): a captured step that is
+    not compiled would otherwise build it, unread, in every replay."""
     if view.region is not None:
         assert view.prefix is not None and view.count is not None
         # Contiguous once here, in the step's graph, rather than a copy in every layer's attention call.

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pipeline.engine.graphs import CapturedStep, Compiled, prefill_bucket
+from pipeline.engine.kernels.tuning import DEFAULT_TUNING
 from pipeline.engine.kv_cache import BlockPool, PagedView
 from pipeline.engine.model import Transformer, paged_context
 from pipeline.engine.readback import Readback
@@ -107,6 +108,7 @@ class BatchStep:
         self.prefill_buffers: dict[int, _PrefillBuffers] = {}
         self.prefill_graphs: dict[tuple[int, str], CapturedStep] = {}
         self.capture_layers: tuple[int, ...] = ()  # residual streams a proposer reads from the prefill
+        self.prefill_pieces_up_to = PREFILL_PIECES_UP_TO  # longer chunks run whole (see _prefill_pass)
 
     def new_row(self) -> tuple[np.ndarray, np.ndarray]:
         """A request's step inputs (ints, floats), kept by the scheduler and updated in place."""
@@ -220,12 +222,8 @@ class BatchStep:
         x.floats.copy_(x.floats_host, non_blocking=True)
 
     def _prefill(self, x: _PrefillBuffers, attn_len: int, mode: str) -> torch.Tensor | None:
+        hidden, captured = self._prefill_pass(x, attn_len)
         positions = x.ints[POSITIONS][None]
-        table = x.row[None, TABLE:]
-        view = PagedView(self.pool, positions, x.ints[SLOTS][None], table, positions[:, -1] + 1, attn_len)
-        hidden, captured = self.target(
-            x.ints[TOKENS][None], paged_context(view, self.target.rotary), self.capture_layers
-        )
         last = x.ints[LAST, :1]
         first = None
         if mode != "none":
@@ -242,6 +240,40 @@ class BatchStep:
             x.ints[TOKENS], x.ints[POSITIONS], x.row, hidden[0], [c[0] for c in captured], last, first, attn_len
         )
         return first
+
+    def _prefill_pass(self, x: _PrefillBuffers, attn_len: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The target over a chunk's tokens -> (hidden [1, T, H], captured residual streams [1, T, H]). Each
+        token reads its row's sequence below its position, then itself, as a decode token does (on CUDA the
+        paged kernel reads them, the chunk's own keys written first). Where the target's layers run the
+        kernels, the chunk goes through in pieces of PREFILL_PIECE_TOKENS, one after the other, so that
+        every piece takes the rows kernels (a few kernels a layer) rather than the library's dozens."""
+        tokens, positions, slots = x.ints[TOKENS][None], x.ints[POSITIONS][None], x.ints[SLOTS][None]
+        table = x.row[None, TABLE:]
+        n = tokens.shape[1]
+        routed = getattr(self.target.layers[0], "paged", None) is not None
+        piece = PREFILL_PIECE_TOKENS if routed and n <= self.prefill_pieces_up_to else n
+        hiddens, captures = [], []
+        for s in range(0, n, piece):
+            at = positions[:, s : s + piece]
+            view = PagedView(
+                self.pool,
+                at,
+                slots[:, s : s + piece],
+                table,
+                at[:, -1] + 1,
+                attn_len,
+                at,
+                at[:, :, None],
+                torch.ones_like(at),
+            )
+            hidden, captured = self.target(
+                tokens[:, s : s + piece], paged_context(view, self.target.rotary), self.capture_layers
+            )
+            hiddens.append(hidden)
+            captures.append(captured)
+        if len(hiddens) == 1:
+            return hiddens[0], captures[0]
+        return torch.cat(hiddens, 1), [torch.cat(parts, 1) for parts in zip(*captures)]
 
     def _after_prefill(
         self,
@@ -261,6 +293,10 @@ class BatchStep:
 TOKENS, POSITIONS, SLOTS, LAST = 0, 1, 2, 3
 # Chunks up to this many tokens replay a graph of their padded length; longer ones run eagerly.
 PREFILL_GRAPH_TOKENS = 512
+# Where the target runs the kernels, chunks of up to BatchStep.prefill_pieces_up_to tokens go through in pieces
+# this long: the rows kernels' most tokens a step (KernelTuning.rows_gemm_max_tokens).
+PREFILL_PIECE_TOKENS = DEFAULT_TUNING.rows_gemm_max_tokens
+PREFILL_PIECES_UP_TO = 128
 
 
 class _PrefillBuffers:
