@@ -271,6 +271,31 @@ def test_a_send_waits_for_no_stuck_sender():
         release.set()
 
 
+def test_slow_sends_that_queue_past_the_stuck_time_stay_serialized():
+    """Senders queued behind one another wait in all longer than STUCK_SEND_S, yet no holder is stuck: none
+    may take another's lock for stuck (two sends at once crash the backend)."""
+    from pipeline.triton.send import STUCK_SEND_S, send
+
+    hold = STUCK_SEND_S / 3
+    inside, most, guard = [0], [0], threading.Lock()
+
+    class Slow:
+        def send(self, response=None, flags=0):
+            with guard:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(hold)
+            with guard:
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=send, args=(Slow(),)) for _ in range(5)]  # the last waits 4 holds
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10 * STUCK_SEND_S)
+    assert most[0] == 1, f"{most[0]} sends ran at once"
+
+
 def test_a_killed_engine_stub_is_reloaded_and_health_tells_the_truth(server):
     stubs = python_stubs(server.process.pid)
     victim = next(pid for pid, model in stubs.items() if model == ENGINE_MODEL)

@@ -4,46 +4,60 @@ The backend's response path is not safe under concurrent sends from several thre
 lock_exception and a segfault in libtriton_python with 4 streams), so sends take one lock. A send can also
 block for good: a response to a request of a BLS stub that died is never acknowledged by the server (seen in
 a soak), and its thread holds the lock forever, so every other request's responses waited behind it and the
-server stopped answering on every route. A sender that waits STUCK_SEND_S for the lock takes its holder for
-stuck, leaves that lock to it and sends under a new one (again if that one's holder gets stuck too); the
-other sends stay serialized.
+server stopped answering on every route. A waiting sender that sees the lock's holder in its send for over
+STUCK_SEND_S takes it for stuck, leaves that lock to it and sends under a new one (again if that one's holder
+gets stuck too); the other sends stay serialized. It judges by the holder's time, not its own wait: under
+many streams a waiter can lose the lock to others for seconds while each of them holds it for milliseconds.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-STUCK_SEND_S = 2.0  # a send takes microseconds to milliseconds; waiting this long means its holder is stuck
+STUCK_SEND_S = 2.0  # a send takes microseconds to milliseconds; one this long means its holder is stuck
+POLL_S = 0.1  # how often a waiting sender looks at the holder's time
 
-_lock = threading.Lock()
+
+class _SendLock:
+    """A lock and when its holder took it (infinity while free)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.since = float("inf")
+
+
+_current = _SendLock()
 _swap = threading.Lock()
 
 
 @contextmanager
 def serialized() -> Iterator[None]:
     """Holds the send lock (responses and metric updates share the backend's channel to the server)."""
-    global _lock
+    global _current
     while True:
-        lock = _lock
-        if lock.acquire(timeout=STUCK_SEND_S):
+        held = _current
+        if held.lock.acquire(timeout=POLL_S):
             break
-        with _swap:  # its holder is stuck (so may the next lock's be: the loop checks again)
-            if _lock is lock:  # the first to notice
-                _lock = threading.Lock()
+        with _swap:
+            if _current is held and time.monotonic() - held.since > STUCK_SEND_S:  # the first to notice
+                _current = _SendLock()
                 print(
                     f"specpipe: a response send has been blocked for over {STUCK_SEND_S:.0f} s (its requester is "
                     "gone); later sends no longer wait for it",
                     file=sys.stderr,
                     flush=True,
                 )
+    held.since = time.monotonic()
     try:
         yield
     finally:
-        lock.release()
+        held.since = float("inf")
+        held.lock.release()
 
 
 def send(sender: Any, response: Any = None, flags: int = 0) -> None:
