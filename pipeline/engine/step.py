@@ -255,6 +255,7 @@ class BatchStep:
         hiddens, captures = [], []
         for s in range(0, n, piece):
             at = positions[:, s : s + piece]
+            # each token: its sequence below its own position, then its own slot (a region of one)
             view = PagedView(
                 self.pool,
                 at,
@@ -262,9 +263,9 @@ class BatchStep:
                 table,
                 at[:, -1] + 1,
                 attn_len,
-                at,
-                at[:, :, None],
-                torch.ones_like(at),
+                prefix=at,
+                region=at[:, :, None],
+                count=torch.ones_like(at),
             )
             hidden, captured = self.target(
                 tokens[:, s : s + piece], paged_context(view, self.target.rotary), self.capture_layers
