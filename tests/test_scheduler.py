@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 from conftest import convert_and_build
 
 from pipeline.engine.kv_cache import CacheBudget
-from pipeline.engine.request import ChunkQueue, StreamChunk
+from pipeline.engine.request import ChunkQueue, StreamChunk, StreamClosed
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import (
     UNIFORM_BITS,
@@ -150,6 +152,37 @@ def test_cancel_finish_and_stop_words_free_their_blocks(engine):
     assert done.finish_reason in ("stop", "length")
     usage = engine.scheduler.usage()
     assert usage["used_blocks"] == 0 and usage["running"] == 0
+
+
+def test_a_stream_closed_from_another_thread_cancels_its_request(engine):
+    """The Triton model closes a request's stream from the thread that found its response send stuck: the
+    request leaves the engine and frees its blocks although its reader never reads again, and a reader
+    reading on gets StreamClosed (no hang)."""
+    ids = engine.tokenizer(PROMPTS[0]).input_ids
+    stuck = engine.stream(ids, SamplingParams(max_tokens=400, end_id=-1))
+    next(stuck)  # running; its reader then stops reading (blocked in a send)
+    threading.Thread(target=stuck.close).start()
+    deadline = time.monotonic() + 30
+    while engine.scheduler.usage()["used_blocks"]:
+        assert time.monotonic() < deadline, "the closed request still holds blocks"
+        time.sleep(0.05)
+    waiting = engine.stream(ids, SamplingParams(max_tokens=400, end_id=-1))
+    next(waiting)
+    errors: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        try:
+            while True:
+                next(waiting)
+        except Exception as exc:  # noqa: BLE001 - what the reader got is the test's subject
+            errors.put(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    waiting.close()
+    reader.join(timeout=30)
+    assert isinstance(errors.get_nowait(), StreamClosed)
+    assert engine.generate(ids, SamplingParams(max_tokens=6, end_id=-1)).finish_reason == "length"
 
 
 def test_a_full_queue_answers_busy_and_the_engine_keeps_serving(engine_dir, engine):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeline.engine.sampling import SamplingParams
@@ -60,6 +61,42 @@ class ChunkQueue:
             while not self._items:
                 self._ready.wait()
             return self._items.popleft()
+
+
+class StreamClosed(Exception):
+    """A request's stream was closed by another thread while its reader waited for a chunk."""
+
+
+class RequestStream:
+    """A request's chunks, in order, as an iterator. Closing it, from any thread, or dropping it before its last
+    chunk cancels the request: the scheduler drops it at its next iteration and frees its blocks, and a reader
+    that goes on reading gets the chunks already made, then StreamClosed."""
+
+    def __init__(self, chunks: ChunkQueue, cancel: Callable[[], None]) -> None:
+        self._chunks, self._cancel = chunks, cancel
+        self._ended = self._closed = False
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        if self._ended:
+            raise StopIteration
+        item = self._chunks.get()
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        self._ended = item.finished
+        return item
+
+    def close(self) -> None:
+        if not (self._ended or self._closed):
+            self._closed = True
+            self._cancel()
+            self._chunks.put(StreamClosed("the request's stream was closed"))
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class StopChecker:

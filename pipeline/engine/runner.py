@@ -34,7 +34,7 @@ from pipeline.engine.kernels.routing import attach
 from pipeline.engine.kv_cache import BlockPool
 from pipeline.engine.model import KVCache, Transformer, full_slot_context, make_context
 from pipeline.engine.readback import Pending, Readback
-from pipeline.engine.request import GenerationResult, StopChecker, StreamChunk
+from pipeline.engine.request import GenerationResult, RequestStream, StopChecker, StreamChunk
 from pipeline.engine.sampling import RequestError, SamplingParams, argmax_rows, choose
 from pipeline.engine.scheduler import Scheduler, SchedulerConfig
 from pipeline.engine.spec_step import BatchProposer, SpecStep
@@ -260,8 +260,9 @@ class Engine:
                 return chunk.result
         raise AssertionError("stream ended without a final chunk")
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
-        """The request's chunks as the scheduler produces them; closing the iterator cancels the request.
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """The request's chunks as the scheduler produces them; closing the stream (from any thread) cancels
+        the request.
         RequestError for a request the engine refuses, EngineBusy when its queue is full (both before any
         chunk)."""
         self.validate(prompt_ids, params)

@@ -26,7 +26,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ import torch
 from pipeline.engine.adaptive import AdaptiveConfig, TierController
 from pipeline.engine.kv_cache import BlockPool, CacheBudget
 from pipeline.engine.readback import Pending
-from pipeline.engine.request import ChunkQueue, GenerationResult, StopChecker, StreamChunk
+from pipeline.engine.request import ChunkQueue, GenerationResult, RequestStream, StopChecker, StreamChunk
 from pipeline.engine.sampling import SEED_LIMIT, EngineBusy, SamplingParams
 from pipeline.engine.spec_step import COUNT, DRAFT_COUNT, DRAFT_TOKENS, SpecStep
 from pipeline.engine.stats import SpecStats
@@ -133,6 +133,10 @@ class Request:
     pairs: int = 1
     row: int = 0  # its row in the last decode step queued
 
+    def cancel(self) -> None:
+        """Dropped at the scheduler's next iteration (any thread may call this)."""
+        self.cancelled = True
+
     def grow(self, pool: BlockPool, tokens: int) -> None:
         """Blocks for `tokens` tokens, new ones written into the row's table column too."""
         held = len(self.table)
@@ -194,7 +198,7 @@ class Scheduler:
         return self.step
 
     # -- the caller's side ----------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request (validated by the engine) and stream its chunks; EngineBusy when the queue is full."""
         ints, floats = self.step.new_row() if self.step is not None else (np.zeros(0, np.int64), np.zeros(0))
         # One request at a time (serial), each chunk is the engine loop's group of steps: kept as it is.
@@ -220,19 +224,7 @@ class Scheduler:
                 self.thread = threading.Thread(target=self._loop, name="specpipe-scheduler")
                 self.thread.start()
             self.lock.notify()
-        return self._stream(request)
-
-    def _stream(self, request: Request) -> Iterator[StreamChunk]:
-        try:
-            while True:
-                item = request.chunks.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            request.cancelled = True  # a consumer that stops reading frees the request's blocks at the next iteration
+        return RequestStream(request.chunks, request.cancel)
 
     def usage(self) -> dict[str, int]:
         """Requests waiting and running, and blocks in use (a snapshot, for tests and metrics)."""

@@ -8,6 +8,8 @@ server stopped answering on every route. A waiting sender that sees the lock's h
 STUCK_SEND_S takes it for stuck, leaves that lock to it and sends under a new one (again if that one's holder
 gets stuck too); the other sends stay serialized. It judges by the holder's time, not its own wait: under
 many streams a waiter can lose the lock to others for seconds while each of them holds it for milliseconds.
+It also runs the stuck send's `on_stuck` (the engine model closes that request's stream), so a request nobody
+can hear from stops generating and frees its engine row at once, instead of decoding to max_tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,6 +31,7 @@ class _SendLock:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.since = float("inf")
+        self.on_stuck: Callable[[], None] | None = None  # the holder's, run if its send is taken for stuck
 
 
 _current = _SendLock()
@@ -36,33 +39,38 @@ _swap = threading.Lock()
 
 
 @contextmanager
-def serialized() -> Iterator[None]:
-    """Holds the send lock (responses and metric updates share the backend's channel to the server)."""
+def serialized(on_stuck: Callable[[], None] | None = None) -> Iterator[None]:
+    """Holds the send lock (responses and metric updates share the backend's channel to the server);
+    on_stuck runs (on another thread) if this send is taken for stuck."""
     global _current
     while True:
         held = _current
         if held.lock.acquire(timeout=POLL_S):
             break
+        stuck = None
         with _swap:
             if _current is held and time.monotonic() - held.since > STUCK_SEND_S:  # the first to notice
-                _current = _SendLock()
+                _current, stuck = _SendLock(), held.on_stuck
                 print(
                     f"specpipe: a response send has been blocked for over {STUCK_SEND_S:.0f} s (its requester is "
-                    "gone); later sends no longer wait for it",
+                    "gone); later sends no longer wait for it" + ("; its request is cancelled" if stuck else ""),
                     file=sys.stderr,
                     flush=True,
                 )
-    held.since = time.monotonic()
+        if stuck is not None:
+            stuck()
+    held.since, held.on_stuck = time.monotonic(), on_stuck
     try:
         yield
     finally:
-        held.since = float("inf")
+        held.since, held.on_stuck = float("inf"), None
         held.lock.release()
 
 
-def send(sender: Any, response: Any = None, flags: int = 0) -> None:
-    """sender.send(response, flags) (no response: flags alone), serialized with every other send."""
-    with serialized():
+def send(sender: Any, response: Any = None, flags: int = 0, on_stuck: Callable[[], None] | None = None) -> None:
+    """sender.send(response, flags) (no response: flags alone), serialized with every other send; on_stuck
+    runs if the send blocks for good (see serialized)."""
+    with serialized(on_stuck):
         if response is None:
             sender.send(flags=flags)
         else:

@@ -371,7 +371,8 @@ class TritonPythonModel:
                 self._check_running(request, stop_event)
                 pending.extend(chunk.token_ids)
                 if streaming and pending and not chunk.finished and self._ends_cleanly(pending):
-                    send(sender, pb_utils.InferenceResponse(output_tensors=self._tokens(pending)))
+                    response = pb_utils.InferenceResponse(output_tensors=self._tokens(pending))
+                    send(sender, response, on_stuck=stream.close)  # stuck: nobody hears this request
                     pending = []
         finally:
             stream.close()  # cancels the request in the engine if it is still running
