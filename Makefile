@@ -70,8 +70,9 @@ build-engines: setup
 # Our engine (Triton + OpenAI front) and vLLM (own venv, installed when missing), one after the other,
 # measured by the same client; writes reports/compare-<date>/.
 COMPARE_ENGINE ?= $(ENGINES)/smollm2-eagle
-# 16 prompts of 128 new tokens keep one run near 15 minutes on 2 shared cores; the CLI default is 256.
-COMPARE_ARGS ?= --systems ours,vllm --num-prompts 16 --max-tokens 128
+# 16 prompts of 128 new tokens keep one run near 15 minutes on 2 shared cores; the CLI default is 256. Ours
+# batches all 16 requests, as vLLM does.
+COMPARE_ARGS ?= --systems ours,vllm --num-prompts 16 --max-tokens 128 --max-batch-size 16
 .PHONY: compare
 compare: setup
 	bash build/install_vllm.sh
@@ -90,8 +91,9 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?=
 VERIFY_PROMPTS ?= 4
 VERIFY_MAX_TOKENS ?= 32
-# Serving options stored in the repository (specpipe triton-repo --help): a GPU batches up to 64 requests.
-SERVE_FLAGS_cpu :=
+# Serving options stored in the repository (specpipe triton-repo --help): a GPU batches up to 64 requests, a
+# CPU 16.
+SERVE_FLAGS_cpu := --max-batch-size 16
 SERVE_FLAGS_cuda := --max-batch-size 64
 SERVE_FLAGS ?= $(SERVE_FLAGS_$(DEVICE))
 .PHONY: triton-repo serve verify

@@ -351,33 +351,41 @@ def test_idle_time_ends_a_window_unmeasured_and_plain_steps_say_why():
 
 def test_a_bucket_runs_the_mode_whose_windows_delivered_more():
     """Plain or drafting is what the windows measured (wall time, everything inside them counted), whatever
-    the tiers' estimates say: the losing mode runs one window in window_explore while the two are close,
-    and fewer while it is far behind (exploring costs at most window_loss of the bucket's speed); drafting
-    windows draft in every step."""
+    the tiers' estimates say: the losing mode runs every other window while within the loss allowed, fewer
+    while far behind or while its windows take longer, so that exploring costs at most window_loss of the
+    bucket's tokens; drafting windows draft in every step."""
     tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
     now = [0.0]
     controller = TierController(tiers, AdaptiveConfig(explore_every=10**6), clock=lambda: now[0])
     controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 3.0] + [10.0] * (len(tiers) - 2)
     controller.accepted[1] = 0.5  # the estimate says plain wins: 1.5 tokens a row in 3 s against 1 in 1 s
-    steps, explore = controller.config.window_steps, controller.config.window_explore
+    steps, loss = controller.config.window_steps, controller.config.window_loss
 
-    def window(tokens_a_second: dict[bool, float]) -> bool:
-        """One window's steps; True when it drafted."""
+    def window(tokens_a_step: dict[bool, int], seconds_a_step: dict[bool, float]) -> tuple[bool, float, int]:
+        """One window's steps: (whether it drafted, its seconds, its tokens)."""
         chosen = [controller.choose(4, 4, 4) for _ in range(steps)]
         drafting = controller.window is not None and controller.window.drafting
         assert all(c == 1 for c in chosen) if drafting else all(c == 0 for c in chosen)
         for _ in range(steps):
-            now[0] += 1.0
-            controller.emitted(4, int(tokens_a_second[drafting]))
-        return drafting
+            now[0] += seconds_a_step[drafting]
+            controller.emitted(4, tokens_a_step[drafting])
+        return drafting, steps * seconds_a_step[drafting], steps * tokens_a_step[drafting]
 
-    winning = {True: 41.0, False: 40.0}
-    modes = [window(winning) for _ in range(2 + 4 * explore)]
-    assert modes[:2] == [True, False]  # each mode measured once, then the better but for every 8th window
-    assert modes[2:].count(False) == 4
-    close = {True: 39.0, False: 40.0}  # drafting falls just behind: plain wins, drafting explored as often
-    modes = [window(close) for _ in range(6 * explore)]
-    assert modes[-4 * explore :].count(True) == 4
-    far = {True: 10.0, False: 40.0}  # far behind: explored once in up to ceil(0.75 / 0.02) = 38 windows
-    modes = [window(far) for _ in range(4 * 38)]
-    assert 1 <= modes[-2 * 38 :].count(True) <= 3  # every 8th window would be 9
+    def lost(runs: list[tuple[bool, float, int]], best: float) -> float:
+        """The share of the tokens the best mode alone would have emitted in the same time."""
+        return 1.0 - sum(t for _, _, t in runs) / (best * sum(s for _, s, _ in runs))
+
+    same = {True: 1.0, False: 1.0}
+    modes = [window({True: 41, False: 40}, same)[0] for _ in range(20)]
+    assert modes[:2] == [True, False]  # each mode measured once
+    assert modes[2:].count(False) == 6  # then plain, 2.4 % behind, one window in 1 + ceil(1.4) = 3
+    close = [window({True: 40, False: 40}, same)[0] for _ in range(20)]
+    assert 9 <= close.count(True) <= 11  # equal: every other window
+    # Far behind: once the means have settled, one window in 1 + 74.
+    runs = [window({True: 10, False: 40}, same) for _ in range(1000)]
+    assert 2 <= [d for d, _, _ in runs[-300:]].count(True) <= 5
+    assert lost(runs[-300:], 40.0) <= loss * 1.05
+    # Drafting windows taking 3 plain windows' time at the same rate: one in 1 + 3 * 74.
+    runs = [window({True: 30, False: 40}, {True: 3.0, False: 1.0}) for _ in range(3000)]
+    assert 3 <= [d for d, _, _ in runs[-900:]].count(True) <= 5
+    assert lost(runs[-900:], 40.0) <= loss * 1.05

@@ -51,6 +51,9 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
         "--target", default="smollm2", help="the target vLLM serves; must be the one --engine was built from"
     )
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per server")
+    p.add_argument(
+        "--max-batch-size", type=int, help="requests our engine batches (triton-repo's option; default the engine's)"
+    )
     p.add_argument("--output-root", type=Path, default=Path("reports"))
     p.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument(
@@ -77,6 +80,7 @@ def run_compare_command(args: argparse.Namespace) -> int:
         systems=args.systems,
         target=args.target,
         warmup=args.warmup,
+        our_max_batch_size=args.max_batch_size,
         output_root=args.output_root,
         vllm_eagle=args.vllm_eagle,
         vllm_medusa=args.vllm_medusa,

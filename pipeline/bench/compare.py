@@ -60,6 +60,8 @@ class CompareConfig:
     vllm_eagle: Path | None = None  # a draft folder in the format vLLM reads
     vllm_medusa: Path | None = None
     our_port: int = 8310
+    # Rows our engine batches (`triton-repo --max-batch-size`); None: the engine's build value.
+    our_max_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEMS]
@@ -149,7 +151,14 @@ def run_ours(
     cfg: CompareConfig, prompts: list[str], references: list[str], tokenize: Callable, logs: Path
 ) -> dict[str, Any]:
     t0 = time.monotonic()
-    server = OurServer(cfg.engine, cfg.cache_dir / "compare-triton-repo", cfg.our_port, logs / "ours.log", SERVED_NAME)
+    server = OurServer(
+        cfg.engine,
+        cfg.cache_dir / "compare-triton-repo",
+        cfg.our_port,
+        logs / "ours.log",
+        SERVED_NAME,
+        max_batch_size=cfg.our_max_batch_size,
+    )
     with server:
         ready = time.monotonic() - t0
         runs = measure_server(OURS, server.base_url, prompts, references, cfg, tokenize, None)

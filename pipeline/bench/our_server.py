@@ -27,6 +27,7 @@ class OurServer:
     openai_port: int
     log_path: Path
     served_name: str
+    max_batch_size: int | None = None  # rows the engine batches (serving option); None: the engine's
     startup_timeout_s: float = 600.0
     proc: subprocess.Popen | None = field(default=None, init=False)
     ports: Ports = field(default_factory=free_ports)
@@ -39,8 +40,9 @@ class OurServer:
         return [sys.executable, "-m", "pipeline", *args]
 
     def __enter__(self) -> OurServer:
+        batch = ["--max-batch-size", str(self.max_batch_size)] if self.max_batch_size else []
         subprocess.run(
-            self._specpipe("triton-repo", "--engine", str(self.engine_dir), "--output", str(self.repo_dir)),
+            self._specpipe("triton-repo", "--engine", str(self.engine_dir), "--output", str(self.repo_dir), *batch),
             check=True,
             stdout=subprocess.DEVNULL,
         )

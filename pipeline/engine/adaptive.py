@@ -5,8 +5,9 @@ Plain or drafting, a bucket at a time: steps run in windows of a batch bucket, e
 throughout, and a window's rate is the tokens emitted over its wall time, whatever ran inside it (prefills,
 the host's work a row, a prefill waiting behind a longer step; not the wait for a request when none is left:
 that window ends unmeasured). A bucket runs the mode whose windows
-delivered more, and the other one window in so many: often while the two are close, rarely while the loser
-is far behind, so exploring costs at most a set share of the bucket's speed.
+delivered more, and the other one window in so many: every other window while the two are within the loss
+allowed, rarely while the loser is far behind or its windows take longer (a drafting window at a large batch
+can take several plain ones' time), so that exploring costs at most a set share of the bucket's speed.
 
 Which drafting tier: for a step of B drafting rows in batch bucket b, tier t is worth (B + sum of the rows'
 expected accepted tokens under t) / cost[b][t]. A bucket's cost is its plain step's time, kept current from
@@ -59,13 +60,13 @@ class AdaptiveConfig:
     request_min_steps: int = 16
     request_pause: int = 64
     request_weight: float = 0.2
-    # Windows of window_steps steps of one bucket, plain or drafting; a window's rate moves its mode's mean by
-    # window_weight. One window in window_explore runs the mode that delivered less, or fewer while that would
-    # cost the bucket more than window_loss of its speed (the loser's shortfall over the explore interval).
+    # Windows of window_steps steps of one bucket, plain or drafting; a window's rate and duration move its
+    # mode's means by window_weight. The mode that delivered less runs one window in as few as window_explore
+    # while that costs the bucket at most window_loss of its tokens (its shortfall over its share of the time).
     window_steps: int = 32
-    window_explore: int = 8
+    window_explore: int = 2
     window_weight: float = 0.3
-    window_loss: float = 0.02
+    window_loss: float = 0.01
 
 
 @dataclass
@@ -98,6 +99,7 @@ class TierController:
     window: Window | None = None  # the window the steps run in
     opened: dict[int, int] = field(default_factory=dict)  # bucket -> windows opened
     delivered: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, drafting) -> tokens a second
+    window_seconds: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, drafting) -> seconds
     # Plain steps of the adaptive policy by why (observability): "no row drafts" (every row opted out or is
     # paused for low acceptance), "plain window".
     plain_why: dict[str, int] = field(default_factory=dict)
@@ -200,11 +202,20 @@ class TierController:
             drafting = with_drafting is None  # each mode's first window
         else:
             better = with_drafting >= without
-            shortfall = 1.0 - min(with_drafting, without) / max(with_drafting, without, 1e-9)
-            every = max(self.config.window_explore, math.ceil(shortfall / self.config.window_loss))
-            drafting = better if opened % every else not better
+            drafting = better if opened % self.explore_interval(bucket, better) else not better
         self.window = Window(bucket, drafting, self.clock())
         return self.window
+
+    def explore_interval(self, bucket: int, better: bool) -> int:
+        """Windows of `bucket` per window of the mode that delivered less (`not better`): one losing window
+        and n - 1 winning ones lose shortfall * D_lose / (D_lose + (n - 1) * D_win) of the tokens, at most
+        window_loss for n >= 1 + (D_lose / D_win) * (shortfall - window_loss) / window_loss."""
+        cfg = self.config
+        win, lose = self.delivered[(bucket, better)], self.delivered[(bucket, not better)]
+        shortfall = 1.0 - lose / max(win, 1e-9)
+        stretch = self.window_seconds[(bucket, not better)] / max(self.window_seconds[(bucket, better)], 1e-9)
+        needed = 1 + math.ceil(stretch * (shortfall - cfg.window_loss) / cfg.window_loss)
+        return max(cfg.window_explore, needed)
 
     def emitted(self, bucket: int, tokens: int) -> None:
         """A step of `bucket` was read with `tokens` new tokens: counted in its window, which closes after
@@ -216,9 +227,10 @@ class TierController:
         window.tokens += tokens
         if window.steps < self.config.window_steps:
             return
-        rate = window.tokens / (self.clock() - window.start)
-        key, self.window = (bucket, window.drafting), None
-        self.delivered[key] = moved(self.delivered.get(key), rate, self.config.window_weight)
+        seconds = self.clock() - window.start
+        key, self.window, w = (bucket, window.drafting), None, self.config.window_weight
+        self.delivered[key] = moved(self.delivered.get(key), window.tokens / seconds, w)
+        self.window_seconds[key] = moved(self.window_seconds.get(key), seconds, w)
 
     def timed_plain(self, bucket: int, seconds: float | None) -> None:
         """A plain step of `bucket` was read `seconds` after the step before it (None: not measured). Right

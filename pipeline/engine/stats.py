@@ -17,6 +17,8 @@ class SpecStats:
 
     def record(self, num_draft: int, max_depth: int, num_accepted: int) -> None:
         self.steps += 1
+        if not (num_draft or max_depth or num_accepted):  # a plain step (most calls): nothing else to count
+            return
         self.draft_tokens += num_draft
         self.accepted_tokens += num_accepted
         _bump(self.drafted_per_depth, max_depth)
