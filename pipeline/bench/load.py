@@ -35,7 +35,6 @@ from pipeline.bench.prompts import load_prompts
 from pipeline.bench.speed import SEED, SHAPES, _IdsOnly, device_tag, environment, random_model, save_json
 from pipeline.engine.adaptive import TierController
 from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig
-from pipeline.engine.cpu_threads import on_own_thread
 from pipeline.engine.kernels.routing import attach
 from pipeline.engine.kernels.tuning import KernelTuning
 from pipeline.engine.model import ModelConfig, Transformer
@@ -298,8 +297,6 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
     retune(engine, args.tuning)
     if engine.device.type == "cuda":  # every bucket's graphs (each tier's, and its cost) now, not in a level
         engine.warm_up(tuple(1.0 if t else 0.0 for t in args.temperatures))
-    elif engine.scheduler.controller is not None:  # every bucket's tier costs now, not inside a measured level
-        on_own_thread(engine.scheduler.calibrate)  # a thread that ends: no second CPU thread pool
     return engine, args.engine.name, engine.tokenizer
 
 

@@ -200,8 +200,12 @@ class Engine:
     def warm_up(self, temperatures: tuple[float, ...] = (0.0, 1.0)) -> None:
         """Compile and capture the decode and verification graphs now rather than inside the first
         request (on CUDA that takes seconds to a minute; torch.compile's disk cache shortens later starts),
-        with one request a prompt bucket so that every prefill graph exists too."""
+        with one request a prompt bucket so that every prefill graph exists too. On the CPU: a speculative
+        engine's tier costs in every batch bucket (timing them inside the first requests' steps stalled a
+        burst of 16 for seconds), on a thread that ends (cpu_threads)."""
         if self.device.type != "cuda":
+            if self.batched and isinstance(self.scheduler.step, SpecStep):
+                on_own_thread(self.scheduler.calibrate)
             return
         if self.batched:
             buckets, start = self.scheduler.batch.buckets, time.perf_counter()
