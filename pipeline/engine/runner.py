@@ -204,7 +204,7 @@ class Engine:
         engine's tier costs in every batch bucket (timing them inside the first requests' steps stalled a
         burst of 16 for seconds), on a thread that ends (cpu_threads)."""
         if self.device.type != "cuda":
-            if self.batched and isinstance(self.scheduler.step, SpecStep):
+            if self.scheduler.controller is not None:  # a batched speculative engine
                 on_own_thread(self.scheduler.calibrate)
             return
         if self.batched:
