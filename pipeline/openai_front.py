@@ -107,6 +107,13 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
     return Sampling(max_tokens, temperature, top_p, stop, seed, speculative)
 
 
+def stream_options(body: dict[str, Any]) -> dict[str, Any]:
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise RequestError(f"'stream_options' must be an object, got {opts!r}")
+    return opts
+
+
 class StopMatcher:
     """Cuts streamed text at the first stop string, holding back a tail that could start one."""
 
@@ -314,17 +321,18 @@ class OpenAIFront:
         return prompt
 
     async def run(
-        self, body: dict[str, Any], chat: bool
+        self, body: dict[str, Any], chat: bool, running_usage: bool = False
     ) -> AsyncGenerator[tuple[str, str | None, dict[str, Any]], None]:
-        """Yield (text delta, finish_reason or None, extras): every item carries the running usage, the
-        last one also `spec`. The ensemble streams text, not ids, so running counts re-tokenize the
-        text so far; the final counts are the engine's own when it returns them."""
+        """Yield (text delta, finish_reason or None, extras): the last item carries `usage` and `spec`,
+        every item `usage` when `running_usage`. Counts are the engine's own (`num_output_tokens`, on every
+        streamed response); without them the text so far is re-tokenized (quadratic in the reply, hence
+        only on request)."""
         s = parse_sampling(body)
         prompt = self.prompt_of(body, chat)
         prompt_tokens = self.count_tokens(prompt, special=True)
 
-        def usage(text: str) -> dict[str, int]:
-            n = self.count_tokens(text, special=False)
+        def usage(text: str, engine_count: float | None = None) -> dict[str, int]:
+            n = int(engine_count) if engine_count is not None else self.count_tokens(text, special=False)
             return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
 
         stopper = StopMatcher(s.stop)
@@ -334,7 +342,8 @@ class OpenAIFront:
             piece = stopper.feed(delta.text)
             text += piece
             if piece:
-                yield piece, None, {"usage": usage(text)}
+                running = usage(text, delta.outputs.get("num_output_tokens")) if running_usage else None
+                yield piece, None, ({"usage": running} if running else {})
             if stopper.stopped:
                 break
         tail = "" if stopper.stopped else stopper.flush()
@@ -387,7 +396,11 @@ def create_app(front: OpenAIFront) -> FastAPI:
             "created": int(time.time()),
             "model": front.model_name,
         }
-        events = front.run(body, chat)
+        try:
+            opts = stream_options(body)
+        except RequestError as exc:
+            return error_response(400, str(exc))
+        events = front.run(body, chat, running_usage=bool(opts.get("continuous_usage_stats")))
         try:
             first = await events.__anext__()  # surfaces request and Triton errors before any bytes are sent
         except RequestError as exc:
@@ -395,7 +408,6 @@ def create_app(front: OpenAIFront) -> FastAPI:
         except InferenceServerException as exc:
             return triton_error(exc)
         if body.get("stream"):
-            opts = body.get("stream_options") or {}
             return StreamingResponse(_sse(head, chat, first, events, opts), media_type="text/event-stream")
         try:
             items = await _unless_disconnected(request, _collect(first, events))

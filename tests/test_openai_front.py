@@ -112,6 +112,27 @@ def test_sse_framing_ends_with_done(front):
     assert "spec" in chunks[-1]
 
 
+def test_stream_usage_options(front):
+    """include_usage adds a final usage chunk; continuous_usage_stats puts the running count on every chunk."""
+    base, _ = front
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    total = _post(base, "/v1/completions", body).json()["usage"]
+
+    def chunks(opts: dict) -> list[dict]:
+        streamed = {**body, "stream": True, "stream_options": opts}
+        with requests.post(f"{base}/v1/completions", json=streamed, stream=True, timeout=120) as resp:
+            return [json.loads(ln[6:]) for ln in resp.iter_lines(decode_unicode=True) if ln.startswith("data: {")]
+
+    plain = chunks({})
+    assert all("usage" not in c for c in plain)
+    last = chunks({"include_usage": True})[-1]
+    assert last["choices"] == [] and last["usage"] == total
+    running = [c["usage"]["completion_tokens"] for c in chunks({"continuous_usage_stats": True})]
+    assert running == sorted(running) and running[-1] == total["completion_tokens"]
+    bad = _post(base, "/v1/completions", {**body, "stream": True, "stream_options": "yes"})
+    assert bad.status_code == 400 and "stream_options" in bad.json()["error"]["message"]
+
+
 def test_chat_applies_the_template(front):
     base, tokenizer_dir = front
     from transformers import AutoTokenizer

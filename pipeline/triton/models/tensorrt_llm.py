@@ -357,6 +357,7 @@ class TritonPythonModel:
         scheduled_ns = None  # the engine runs one request at a time (its KV cache); others wait in stream()
         first_token_ns = None
         pending = []  # streamed tokens held back until they end on a whole UTF-8 character
+        sent = 0  # tokens streamed so far
         request_id = request.request_id()
         stop_event = threading.Event()
         if request_id:
@@ -371,8 +372,11 @@ class TritonPythonModel:
                 self._check_running(request, stop_event)
                 pending.extend(chunk.token_ids)
                 if streaming and pending and not chunk.finished and self._ends_cleanly(pending):
-                    response = pb_utils.InferenceResponse(output_tensors=self._tokens(pending))
-                    send(sender, response, on_stuck=stream.close)  # stuck: nobody hears this request
+                    sent += len(pending)
+                    outputs = self._tokens(pending)
+                    if want_counts[1]:  # the running count: a client's usage per chunk without re-tokenizing
+                        outputs.append(_tensor("num_output_tokens", [sent], np.int32))
+                    send(sender, pb_utils.InferenceResponse(output_tensors=outputs), on_stuck=stream.close)
                     pending = []
         finally:
             stream.close()  # cancels the request in the engine if it is still running
