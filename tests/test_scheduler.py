@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import statistics
 import subprocess
 import sys
 import threading
@@ -26,7 +27,7 @@ from pipeline.engine.sampling import (
     target_probs,
     unit_interval,
 )
-from pipeline.engine.scheduler import SchedulerConfig
+from pipeline.engine.scheduler import CPU_STREAM_INTERVAL, SchedulerConfig
 from pipeline.errors import UserError
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog and runs", "hello", "1 2 3 4 5 6 7 8 9 10 11"]
@@ -110,10 +111,36 @@ def test_prefill_chunks_do_not_change_a_prompts_output(engine_dir, engine):
         assert chunked.generate(ids, params).token_ids == engine.generate(ids, params).token_ids
 
 
+def test_a_burst_of_short_prompts_is_prefilled_in_one_iteration(engine_dir, engine):
+    """Prompts arriving together share an iteration's prefill_chunk tokens (one chunk each, cut where it is
+    cut alone), so the last of a burst does not wait for one iteration per prompt ahead of it; the outputs
+    are those of each request alone."""
+    work = [(ids, SamplingParams(max_tokens=6, end_id=-1)) for ids, _ in jobs(engine, 4)]
+    alone = [engine.generate(ids, params).token_ids for ids, params in work]
+    sizes = [len(ids) for ids, _ in work]
+    for budget, rounds in ((sum(sizes), 1), (max(sizes), None)):
+        burst = Engine.from_dir(engine_dir, serving=SchedulerConfig(prefill_chunk=budget))
+        scheduler = burst.scheduler
+        with scheduler.lock:  # all four queued before the scheduler's first iteration
+            streams = [burst.stream(ids, params) for ids, params in work]
+        assert [[t for c in s for t in c.token_ids] for s in streams] == alone
+        assert scheduler.prefill_chunks == len(work)
+        if rounds is not None:
+            assert scheduler.prefill_rounds == rounds
+        else:  # each iteration takes whole chunks while they fit: more than one round, fewer than one each
+            assert 1 < scheduler.prefill_rounds <= len(work)
+
+
 def test_the_stream_interval_groups_tokens_and_keeps_them(engine_dir, engine):
     """Chunks after the first hold at least the interval's tokens (the last may hold fewer); the tokens are
-    those of an interval of 1. Automatic: one token a chunk while few requests run."""
+    those of an interval of 1. Automatic on a CPU: one token a chunk for one request, CPU_STREAM_INTERVAL
+    while several run."""
     assert engine.scheduler.stream_interval() == 1
+    ids, params = jobs(engine, 1)[0][0], SamplingParams(max_tokens=40, end_id=-1)
+    streams = [engine.stream(ids, params) for _ in range(2)]
+    sizes = [len(c.token_ids) for c in streams[0]]  # read while the other request runs (its chunks merge)
+    assert statistics.median(sizes[1:-1]) >= CPU_STREAM_INTERVAL, sizes
+    assert sum(len(c.token_ids) for c in streams[1]) == params.max_tokens
     work = jobs(engine, 4)
     alone = [engine.generate(ids, params).token_ids for ids, params in work]
     grouped = Engine.from_dir(engine_dir, serving=SchedulerConfig(stream_interval=4))

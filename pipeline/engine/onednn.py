@@ -1,10 +1,9 @@
 """CPU products through oneDNN, with each weight reordered once at load.
 
-At batch 1 a CPU decode step, like a GPU one, is one row times every weight matrix. On this
-project's 2-core machine F.linear runs such a product on one core at 11 GB/s, where a plain read
-streams 30 GB/s; oneDNN's inner product over a prepacked weight uses both cores: SmolLM2's
-products of one token take 25 ms instead of 46, and a 64-token tree's 20% less. Float32 CPU
-weights only (the sums are reordered: relative differences around 1e-6). SPECPIPE_ONEDNN=0 keeps
+At batch 1 a CPU decode step, like a GPU one, is one row times every weight matrix. On a 2-core
+machine F.linear runs such a product on one core, well below the memory's bandwidth; oneDNN's inner
+product over a prepacked weight uses both cores (BENCHMARKS §8 has the numbers). Float32 CPU weights
+only (the sums are reordered: relative differences around 1e-6). SPECPIPE_ONEDNN=0 keeps
 F.linear.
 """
 
@@ -18,8 +17,10 @@ from torch import nn
 from pipeline.engine.model import Linear
 
 ENV = "SPECPIPE_ONEDNN"
-# oneDNN's reorder takes the expected row count as a hint; decode steps have one row.
-ROWS_HINT = 1
+# oneDNN's reorder takes the expected row count as a hint. Given 1 it picks a layout that reads SmolLM2's
+# weights a third slower even for one row; any hint from 2 to 64 gives the fast one (BENCHMARKS §8). 16 rows
+# is a CPU engine's default batch.
+ROWS_HINT = 16
 
 
 def available() -> bool:

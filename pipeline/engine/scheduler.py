@@ -4,10 +4,11 @@ Requests wait in a bounded queue (a full queue refuses at once with EngineBusy) 
 arrival order while the block pool can hold their worst case (prompt + max_tokens), so a running
 request never runs out of blocks; blocks are taken as sequences grow and given back the moment a
 request finishes or is cancelled. Each iteration queues one decode step for every running request, whose
-new tokens reach the host in one copy while the next step runs, and at most one prefill chunk behind it (so
-a long prompt stalls the running streams by one chunk). A request's tokens reach its stream in chunks of at
-least the stream interval (STREAM_WAKES_PER_STEP), and chunks a consumer has not taken yet merge, so a
-consumer wakes once for several steps. A consumer that stops reading (closes the stream) cancels its
+new tokens reach the host in one copy while the next step runs, and behind it prompts' chunks of at most
+prefill_chunk tokens together (a burst of short prompts in one iteration; a long prompt stalls the running
+streams by one chunk). A request's tokens reach its stream in chunks of at
+least the stream interval (STREAM_WAKES_PER_STEP, CPU_STREAM_INTERVAL), and chunks a consumer has not taken
+yet merge, so a consumer wakes once for several steps. A consumer that stops reading (closes the stream) cancels its
 request at the next iteration.
 
 A speculative engine with a batched proposer runs a SpecStep instead: every running request drafts, is
@@ -61,6 +62,10 @@ DEFAULT_PREFILL_CHUNK = 512
 # requests' count (rounded up): every consumer thread woken costs the scheduler the GIL for a while, so a
 # step wakes about this many of them whatever the load, and at most this many requests run with an interval of 1.
 STREAM_WAKES_PER_STEP = 8
+# On a CPU the consumers' work (a Triton send each) runs on the cores the step's products use, so every wake
+# slows the step itself: with two or more requests running, a chunk holds this many tokens (100-200 ms of text
+# at 4-16 requests on 2 cores; BENCHMARKS §8).
+CPU_STREAM_INTERVAL = 4
 
 
 @dataclass(frozen=True)
@@ -74,8 +79,9 @@ class SchedulerConfig:
     batched: bool = True  # False: one request at a time through the engine's own decode loop
     speculation: str = "adaptive"  # speculative engines: adaptive tiers, "off", "full", or one tier's name
     invariant: bool = False  # CUDA: batch-invariant kernels for the target (kernels.invariant)
-    # Tokens a request's stream chunk holds at least (its first and last chunks aside); None: automatic,
-    # 1 up to STREAM_WAKES_PER_STEP running requests, then growing with them.
+    # Tokens a request's stream chunk holds at least (its first and last chunks aside); None: automatic (on
+    # CUDA 1 up to STREAM_WAKES_PER_STEP running requests, then growing with them; on a CPU see
+    # CPU_STREAM_INTERVAL).
     stream_interval: int | None = None
 
     @classmethod
@@ -189,8 +195,9 @@ class Scheduler:
             self.row_ints = np.zeros((max_batch_size + 1, *ints.shape), ints.dtype)
             self.row_floats = np.zeros((max_batch_size + 1, *floats.shape), floats.dtype)
         self.last_read: float | None = None  # when the last decode step was read, unless a prefill came after
-        # Prefill chunks run, and the seconds they held the loop (the step they settle first included).
-        self.prefill_chunks, self.prefill_seconds = 0, 0.0
+        # Prefill chunks run, the iterations that ran them, and the seconds they held the loop (the step they
+        # settle first included).
+        self.prefill_chunks, self.prefill_rounds, self.prefill_seconds = 0, 0, 0.0
 
     @property
     def batch(self) -> BatchStep:
@@ -281,22 +288,41 @@ class Scheduler:
             self.running.append(self.waiting.popleft())
 
     def _iterate(self) -> None:
-        prefilling = next((r for r in self.running if not r.prefilled), None)
+        prefilling = self._prefilling()
         decoding = self._decoding()
         tier, drafting = 0, [False] * len(decoding)
         if decoding and self.spec is not None:
             decoding, tier, drafting = self._choose(decoding)
         launched = self._launch(decoding, tier, drafting) if decoding else None
-        if prefilling is not None:  # queued behind the decode step: the device runs the two back to back
+        if prefilling:  # queued behind the decode step: the device runs them back to back
             start = time.perf_counter()
-            self._prefill_chunk(prefilling)
-            self.prefill_chunks += 1
+            for r in prefilling:
+                self._prefill_chunk(r)
+            self.prefill_chunks += len(prefilling)
+            self.prefill_rounds += 1
             self.prefill_seconds += time.perf_counter() - start
             self.last_read = None  # the steps read next waited for the prefill: not timed
         self._read_inflight()  # the step before: read while the one just launched runs
         self.inflight = launched
-        if prefilling is not None:
+        if prefilling:
             self.last_read = None
+
+    def _prefilling(self) -> list[Request]:
+        """The prompts whose next chunk this iteration prefills, in arrival order: the first one's, then more
+        while their chunks together stay within prefill_chunk tokens (a burst of short prompts is prefilled
+        in one iteration, not one an iteration). A prompt's chunks are cut at the same places whatever
+        else runs, so its output does not depend on the load."""
+        chosen: list[Request] = []
+        tokens = 0
+        for r in self.running:
+            if r.prefilled:
+                continue
+            size = min(len(r.prompt_ids) - r.cached, self.config.prefill_chunk)
+            if chosen and tokens + size > self.config.prefill_chunk:
+                break
+            chosen.append(r)
+            tokens += size
+        return chosen
 
     def _decoding(self) -> list[Request]:
         """Running requests that decode this iteration: prefilled, and short of max_tokens even if every
@@ -486,6 +512,8 @@ class Scheduler:
         """Tokens a stream chunk holds at least now (SchedulerConfig.stream_interval)."""
         if self.config.stream_interval is not None:
             return self.config.stream_interval
+        if self.batch.device.type == "cpu":
+            return 1 if len(self.running) <= 1 else CPU_STREAM_INTERVAL
         return max(1, -(-len(self.running) // STREAM_WAKES_PER_STEP))
 
     def _emit(self, rows: list[Request], tokens: list[list[int]]) -> None:

@@ -34,8 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     serving.add_argument(
         "--stream-interval",
         type=int,
-        help="tokens a streamed response holds at least, first and last aside (default: 1 up to 8 running "
-        "requests, then running/8 rounded up: fewer consumer wake-ups a step under load)",
+        help="tokens a streamed response holds at least, first and last aside (default on CUDA: 1 up to 8 "
+        "running requests, then running/8 rounded up: fewer consumer wake-ups a step under load; on a CPU: 1 "
+        "for one request, else 4)",
     )
     serving.add_argument("--kv-cache-fraction", type=float, help="share of free GPU memory for the KV cache pool")
     serving.add_argument("--max-num-tokens", type=int, help="KV cache pool size in tokens (instead of the fraction)")
