@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
+from pipeline.client.client import close_stream
 from pipeline.errors import UserError
 
 BACKEND_MODEL = "tensorrt_llm_bls"
@@ -199,6 +200,7 @@ class TritonEnsemble:
         wanted_outputs = [
             grpcclient.InferRequestedOutput(n) for n in ("text_output", *SCALAR_OUTPUTS) if n in self.outputs
         ]
+        finished = False  # the final response came: the stream is closed, not cancelled (close_stream)
         try:
             client.async_stream_infer(
                 self.model,
@@ -207,22 +209,16 @@ class TritonEnsemble:
                 request_id=uuid.uuid4().hex,
                 enable_empty_final_response=self.decoupled,
             )
-            while True:
+            while not finished:
                 result, error = await queue.get()
                 if error is not None:
                     raise error
                 delta = _delta(result)
+                finished = delta.final or not self.decoupled
                 yield delta
-                if delta.final or not self.decoupled:
-                    return
         finally:
             # stop_stream joins the stream thread; keep it off the event loop.
-            threading.Thread(target=_close, args=(client,), daemon=True).start()
-
-
-def _close(client: grpcclient.InferenceServerClient) -> None:
-    client.stop_stream(cancel_requests=True)
-    client.close()
+            threading.Thread(target=close_stream, args=(client, not finished), daemon=True).start()
 
 
 def _delta(result: Any) -> TritonDelta:

@@ -26,6 +26,7 @@ READY_TIMEOUT_S = 30.0
 # cancelled request, a loaded machine).
 LONG_MAX_TOKENS = 400
 SLOWDOWN_ALLOWED, SLACK_S = 3.0, 2.0
+THREADS_SETTLE_S = 5.0
 GIVE_UP_S = 0.25  # a non-streaming client's read timeout: a fraction of the long request's time, idle or not
 
 
@@ -84,6 +85,22 @@ def test_completion_streaming_equals_non_streaming(front):
     assert streamed.finish_reason in ("length", "stop")
     assert streamed.spec is not None and streamed.spec["acceptance_length"] >= 1.0
     assert len(streamed.timing.chunk_times) >= 1
+
+
+def test_finished_requests_leave_no_thread_behind(front):
+    """The front closes a finished stream (a cancel would leave a gRPC thread waiting for good)."""
+    base, _ = front
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    _post(base, "/v1/completions", body)
+    time.sleep(THREADS_SETTLE_S)
+    before = threading.active_count()
+    for _ in range(5):
+        _post(base, "/v1/completions", body)
+        stream_completion(base, completion_request(MODEL, PROMPT, 2))
+    deadline = time.monotonic() + THREADS_SETTLE_S  # each stream is closed on a thread of its own
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == before
 
 
 def test_a_request_can_opt_out_of_speculation(front):

@@ -180,6 +180,7 @@ def infer_grpc(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s: f
     """One request over gRPC's streaming API; returns when the final response arrives."""
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
+    finished = False
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         acc = _Accumulator()
@@ -195,10 +196,17 @@ def infer_grpc(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s: f
                 raise TritonRequestError(error.message() if isinstance(error, InferenceServerException) else str(error))
             acc.add(_grpc_outputs(result))
             if result.get_response().parameters["triton_final_response"].bool_param:
+                finished = True
                 return acc.finish()
     finally:
-        client.stop_stream(cancel_requests=True)
-        client.close()
+        close_stream(client, cancel=not finished)
+
+
+def close_stream(client: grpcclient.InferenceServerClient, cancel: bool) -> None:
+    """End a gRPC stream and its client. A finished stream is closed, not cancelled: tritonclient's cancel
+    leaves gRPC's request thread waiting on the stream's request queue for good (a thread a request)."""
+    client.stop_stream(cancel_requests=cancel)
+    client.close()
 
 
 def _json_inputs(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
