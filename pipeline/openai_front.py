@@ -338,8 +338,8 @@ class OpenAIFront:
             piece = stopper.feed(delta.text)
             text += piece
             if piece:
-                running = usage(text, delta.outputs.get("num_output_tokens")) if running_usage else None
-                yield piece, None, ({"usage": running} if running else {})
+                count = delta.outputs.get("num_output_tokens")
+                yield piece, None, ({"usage": usage(text, count)} if running_usage else {})
             if stopper.stopped:
                 break
         tail = "" if stopper.stopped else stopper.flush()

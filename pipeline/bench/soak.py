@@ -27,7 +27,16 @@ import numpy as np
 import requests
 import tritonclient.grpc as grpcclient
 
-from pipeline.client.client import BLS, ENSEMBLE, Sampling, TritonRequestError, _grpc_input, generate, text_inputs
+from pipeline.client.client import (
+    BLS,
+    ENSEMBLE,
+    Sampling,
+    TritonRequestError,
+    _grpc_input,
+    close_stream,
+    generate,
+    text_inputs,
+)
 from pipeline.triton.server import TritonServer, free_ports, python_stubs
 
 RSS_EVERY_S = 60.0
@@ -114,8 +123,7 @@ def cancelled(server: TritonServer, tally: Tally, rng: random.Random) -> None:
     except queue.Empty:
         tally.add("cancelled", False, "no chunk in time")
     finally:
-        client.stop_stream(cancel_requests=True)
-        client.close()
+        close_stream(client, cancel=True)
 
 
 def bad(server: TritonServer, tally: Tally, rng: random.Random) -> None:

@@ -1,15 +1,14 @@
 """The scheduler: one thread owns the device and serves every request in flight.
 
-Requests wait in a bounded queue (a full queue refuses at once with EngineBusy) and are admitted in
-arrival order while the block pool can hold their worst case (prompt + max_tokens), so a running
-request never runs out of blocks; blocks are taken as sequences grow and given back the moment a
-request finishes or is cancelled. Each iteration queues one decode step for every running request, whose
-new tokens reach the host in one copy while the next step runs, and behind it prompts' chunks of at most
-prefill_chunk tokens together (a burst of short prompts in one iteration; a long prompt stalls the running
-streams by one chunk). A request's tokens reach its stream in chunks of at
-least the stream interval (STREAM_WAKES_PER_STEP, CPU_STREAM_INTERVAL), and chunks a consumer has not taken
-yet merge, so a consumer wakes once for several steps. A consumer that stops reading (closes the stream) cancels its
-request at the next iteration.
+Requests wait in a bounded queue (a full queue refuses at once with EngineBusy) and are admitted in arrival
+order while the block pool can hold their worst case (prompt + max_tokens), so a running request never runs
+out of blocks; blocks are taken as sequences grow and given back the moment a request finishes or is
+cancelled. Each iteration queues one decode step for every running request, whose new tokens reach the host in
+one copy while the next step runs, and behind it prompts' chunks of at most prefill_chunk tokens together (a
+burst of short prompts in one iteration; a long prompt stalls the running streams by one chunk). A request's
+tokens reach its stream in chunks of at least the stream interval (STREAM_WAKES_PER_STEP,
+CPU_STREAM_INTERVAL), and chunks a consumer has not taken yet merge, so a consumer wakes once for several
+steps. A consumer that stops reading (closes the stream) cancels its request at the next iteration.
 
 A speculative engine with a batched proposer runs a SpecStep instead: every running request drafts, is
 verified and accepts in one step of the tier the controller chooses (adaptive.py). Its steps are queued
