@@ -152,6 +152,7 @@ def test_the_default_tuning_is_the_engines():
     flags = (t.gated_gemv, t.rope_in_gemv, t.rows_mlp, t.rows_layer, t.one_token_tiles)
     assert flags == (False, True, True, True, True)
     assert (t.rows_gemm_max_tokens, t.rows_gemm_gated_tile, t.rows_gemm_tile) == (64, (64, 64, 4, 4), (32, 256, 4, 4))
+    assert (t.paged_layer, t.paged_decode_rows, t.paged_layer_max_tokens) == (True, (1, 64), 2048)
     assert (t.rows_small_weights, t.rows_small_rope_tile, t.rows_small_gated_tile, t.rows_small_tile) == (
         1 << 22,
         (16, 32, 64, 4, 5),

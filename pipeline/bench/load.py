@@ -327,9 +327,14 @@ def random_engine(
 
 
 def retune(engine: Engine, tuning: KernelTuning | None) -> None:
-    """The target's kernels re-routed with this tuning (CUDA), before any graph is captured."""
-    if tuning is not None and engine.device.type == "cuda":
-        attach(engine.target, tuning=tuning)
+    """The target's and the drafter's kernels re-routed with this tuning (CUDA), before any graph is
+    captured."""
+    if tuning is None or engine.device.type != "cuda":
+        return
+    attach(engine.target, tuning=tuning)
+    net = getattr(engine.proposer, "net", None)  # EAGLE's draft network
+    if isinstance(net, torch.nn.Module):
+        attach(net, tuning=tuning)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--invariant", action="store_true", help="batch-invariant kernels (SchedulerConfig.invariant)")
     p.add_argument("--speculation", default="adaptive", help="speculative engines' tiers: adaptive, off, full, TIER")
     p.add_argument("--triton", action="store_true", help="also through the bundled tritonserver (gRPC streaming)")
-    p.add_argument("--tuning", type=tuning_variant, default=None, help=f"CUDA: the target's kernel tuning, {HELP}")
+    p.add_argument(
+        "--tuning", type=tuning_variant, default=None, help=f"CUDA: the target's and drafter's kernel tuning, {HELP}"
+    )
     p.add_argument("--draft", choices=("eagle",), default=None, help="with --shape: a random EAGLE drafter")
     p.add_argument("--label", default=None, help="the results' name (default: the engine's or shape's)")
     p.add_argument("--output", type=Path, default=Path("bench"))

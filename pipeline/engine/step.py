@@ -295,7 +295,7 @@ TOKENS, POSITIONS, SLOTS, LAST = 0, 1, 2, 3
 # Chunks up to this many tokens replay a graph of their padded length; longer ones run eagerly.
 PREFILL_GRAPH_TOKENS = 512
 # Where the target runs the kernels, chunks of up to BatchStep.prefill_pieces_up_to tokens go through in pieces
-# this long: the rows kernels' most tokens a step (KernelTuning.rows_gemm_max_tokens).
+# this long (the rows kernels' 64-token tile, KernelTuning.rows_gemm_max_tokens: the measured piece).
 PREFILL_PIECE_TOKENS = DEFAULT_TUNING.rows_gemm_max_tokens
 PREFILL_PIECES_UP_TO = 128
 

@@ -29,11 +29,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.bench.load import random_engine
+from pipeline.bench.load import random_engine, retune
 from pipeline.bench.probes.variants import HELP, parse_variants
 from pipeline.bench.speed import SHAPES, environment
 from pipeline.engine.graphs import CapturedStep
-from pipeline.engine.kernels.routing import attach
 from pipeline.engine.request import SamplingParams
 from pipeline.engine.runner import Engine
 from pipeline.engine.scheduler import SchedulerConfig
@@ -146,8 +145,7 @@ def main() -> None:
                 draft = None if kind == "plain" else kind
                 start = time.time()
                 engine = random_engine(shape, device, max(args.rows), draft, SchedulerConfig())
-                if device.type == "cuda":
-                    attach(engine.target, tuning=tuning)  # before any of this engine's graphs is captured
+                retune(engine, tuning)  # before any of this engine's graphs is captured
                 for rows in args.rows:  # compiles and captures the rows' bucket (every tier's: calibration)
                     served_ms(engine, prompt, rows, rows + 16)
                 print(f"{name} {kind}: compiled and captured in {time.time() - start:.1f} s", flush=True)

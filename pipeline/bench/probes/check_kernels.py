@@ -481,11 +481,23 @@ def check_topk(device: str) -> None:
             assert torch.equal(getattr(trees["torch"], field), getattr(trees["fused"], field)), (trial, field)
 
 
+def node_paths(parents: torch.Tensor) -> torch.Tensor:
+    """[T, max depth + 1]: each node's indices from the root down to it, padded with its own."""
+    paths = []
+    for node in range(parents.shape[0]):
+        up = [node]
+        while parents[up[-1]] >= 0:
+            up.append(int(parents[up[-1]]))
+        paths.append(up[::-1])
+    width = max(map(len, paths))
+    return torch.tensor([p + [p[-1]] * (width - len(p)) for p in paths])
+
+
 def check_paged(device: str) -> None:
     """A small layer's batched step over the block pool through paged_layer (the QKV product writing the
     pool's slots, the paged attention kernel, rows_gemm) against the unfused layer: decode rows, then every
-    row's tree, rows of different lengths whose blocks are not in order; one decode row through the GEMVs. A
-    target's layer, and an EAGLE-1 draft's (no input norm)."""
+    row's tree (also past the 64-token tile), rows of different lengths whose blocks are not in order; one
+    decode row through the GEMVs. A target's layer, and an EAGLE-1 draft's (no input norm)."""
     tuning, half = engine_tuning(device), tile_dtype(device)
     model = Transformer(CONFIG).to(half)
     for p in model.parameters():
@@ -497,18 +509,30 @@ def check_paged(device: str) -> None:
     pool = BlockPool(CONFIG.num_layers, 24, block, CONFIG.num_kv_heads, CONFIG.head_size, half, device)
     pool.k.normal_()
     pool.v.normal_()
-    all_lengths = torch.tensor([37, 5, 20])
-    all_tables = torch.tensor([[9, 3, 12, 1, 20, 7], [2, 16, 0, 0, 0, 0], [5, 11, 18, 4, 0, 0]])
+    lengths = torch.tensor([37, 5, 20])
+    tables = torch.tensor([[9, 3, 12, 1, 20, 7], [2, 16, 0, 0, 0, 0], [5, 11, 18, 4, 0, 0]])
     tree = build_tree([[0], [1], [0, 0]])
-    one = torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
-    # One decode row (the single-token GEMVs), three decode rows, three rows' trees (rows_gemm).
-    steps = (
-        (1, 1, *one),
-        (3, 1, *one),
-        (3, 4, tree.depths, torch.tensor([[0, 0, 0], [0, 1, 1], [0, 2, 2], [0, 1, 3]])),
+    wide = build_tree([[i] for i in range(8)] + [[0, i] for i in range(8)] + [[0, 0, i] for i in range(6)])
+    wide_lengths, wide_tables = (
+        torch.tensor([17, 5, 20]),
+        torch.tensor([[9, 3, 12, 1, 20, 7], [2, 16, 0, 6, 8, 10], [5, 11, 18, 4, 13, 14]]),
     )
-    for layer, (rows, t, depths, paths) in itertools.product((decoder_layer(model, 1), draft_layer), steps):
-        lengths, table = all_lengths[:rows], all_tables[:rows]
+    assert 3 * wide.num_nodes > tuning.rows_gemm_max_tokens  # past the tile of 64 tokens, in the kernels' grid
+    one = torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
+    # One decode row (the single-token GEMVs), three decode rows, three rows' trees (rows_gemm), three rows'
+    # trees of 69 tokens in all.
+    steps = (
+        (1, one[0], one[1], lengths, tables),
+        (3, one[0], one[1], lengths, tables),
+        (3, tree.depths, node_paths(tree.parents), lengths, tables),
+        (3, wide.depths, node_paths(wide.parents), wide_lengths, wide_tables),
+    )
+    for layer, (rows, depths, paths, row_lengths, row_tables) in itertools.product(
+        (decoder_layer(model, 1), draft_layer), steps
+    ):
+        t = depths.shape[0]
+        assert rows * t <= tuning.paged_layer_max_tokens
+        lengths, table = row_lengths[:rows], row_tables[:rows]
         seq = lengths[:, None] + torch.arange(t)[None]
         region = lengths[:, None, None] + paths[None]
         count = (depths + 1)[None].expand(rows, t)

@@ -7,10 +7,10 @@ Levels (`SPECPIPE_KERNELS`, read by attach):
   the RMS norms inside the GEMVs that read them, rotary and the cache write inside the QKV GEMV, the residual
   adds inside the GEMVs that produce them. Its steps of up to 64 tokens (trees, batched decode rows) run the
   MLP as two rows_gemm kernels; small layers (SmolLM2's) take a tree step whole through the kernels, and so
-  a batched step over the block pool of up to 64 tokens (decode rows, every row's tree: paged_layer). More
-  tokens (prefills) keep cuBLAS and SDPA. Layers the kernels do not cover (biases, other activations, head
-  sizes that are not a power of two) keep the gemv level; a layer without an input norm (an EAGLE-1 draft's
-  first) fuses with no norm in its QKV product.
+  a batched step over the block pool (decode rows, every row's tree: paged_layer, up to
+  paged_layer_max_tokens tokens). Other steps of more tokens (prefills) keep cuBLAS and SDPA. Layers the
+  kernels do not cover (biases, other activations, head sizes that are not a power of two) keep the gemv
+  level; a layer without an input norm (an EAGLE-1 draft's first) fuses with no norm in its QKV product.
 - off: cuBLAS and SDPA everywhere.
 attach(..., invariant=True) puts every product of a Linear (any row count) and every RMS norm on the
 batch-invariant kernels of invariant.py instead of the GEMV, the fused layers and cuBLAS: a token's outputs are
@@ -384,15 +384,15 @@ def paged_layer(
 ) -> torch.Tensor:
     """DecoderLayer.forward for a batched step over the block pool (x [B, T, H]: one token a row, or every
     row's tree) of a small layer through kernel_layer, writing the pool's slots, the attention through the
-    paged kernel. Prefill chunks (no region), steps of more than
-    rows_gemm_max_tokens tokens and decode steps of rows outside paged_decode_rows take the library path."""
+    paged kernel. Prefill chunks (no region), steps of more than paged_layer_max_tokens tokens and decode
+    steps of rows outside paged_decode_rows take the library path."""
     from pipeline.engine.paged_attention import paged_attention
 
     paged, tokens = ctx.paged, x.shape[:-1].numel()
     assert paged is not None
     fewest, most = tuning.paged_decode_rows
     decode_off = x.shape[1] == 1 and not fewest <= x.shape[0] <= most
-    if paged.region is None or tokens > tuning.rows_gemm_max_tokens or decode_off:
+    if paged.region is None or tokens > tuning.paged_layer_max_tokens or decode_off:
         return layer.unfused(x, ctx, index)
     assert paged.prefix is not None and paged.count is not None
     pool, region, prefix, count = paged.pool, paged.region, paged.prefix, paged.count

@@ -49,6 +49,10 @@ class KernelTuning:
     # ... and a batched step over the block pool (decode rows, every row's tree) the same way, the attention
     # through the paged kernel (routing.paged_layer), instead of the library products and inductor's fusions.
     paged_layer: bool = True
+    # ... for steps of at most this many tokens in all: the small tiles cover a step's tokens in a grid of
+    # programs, so the 64-token tile above does not bound them (past 64 tokens the library path took a
+    # drafting step at 16-64 rows to three plain steps' time); at 4,096 the library is faster (BENCHMARKS.md).
+    paged_layer_max_tokens: int = 2048
     # Decode rows (one token a row) take it from the first to the second row count (one row through the
     # single-token GEMVs); at 32 and 64 rows it is faster than the library path, compiled or not (BENCHMARKS.md).
     paged_decode_rows: tuple[int, int] = (1, 64)
