@@ -325,7 +325,7 @@ def test_the_plain_step_after_a_drafting_step_is_charged_to_the_drafting_tier():
 def test_a_drafting_tier_that_delivers_less_than_its_estimate_gives_way_to_another():
     """The estimate (acceptance over cost) says chain1 beats chain2; what chain1's steps delivered says not."""
     tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
-    controller = TierController(tiers, AdaptiveConfig(explore_every=10**6))
+    controller = TierController(tiers, AdaptiveConfig(explore_every=10**6, window_warmup=0))
     chain2 = controller.names.index("chain2")
     controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 1.2] + [10.0] * (len(tiers) - 2)
     controller.ratio[4][chain2] = 1.5
@@ -344,18 +344,23 @@ def test_idle_time_ends_a_window_unmeasured_and_plain_steps_say_why():
     now = [0.0]
     controller = TierController(tiers, AdaptiveConfig(explore_every=10**6), clock=lambda: now[0])
     controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 1.5] + [10.0] * (len(tiers) - 2)
-    assert controller.choose(4, 4, 4) == 1  # the first window drafts
+    steps = controller.config.window_steps
+    for _ in range(steps):  # the bucket's warm-up window: plain, unmeasured
+        assert controller.choose(4, 4, 4) == 0
+        now[0] += 1.0
+        controller.emitted(4, 4)
+    assert controller.choose(4, 4, 4) == 1  # the first measured window drafts
     controller.emitted(4, 8)
     controller.idle()
     now[0] += 1000.0  # no request for a while
-    for _ in range(controller.config.window_steps):
+    for _ in range(steps):
         assert controller.choose(4, 4, 4) == 1  # a new window, drafting still (no window has closed)
         now[0] += 1.0
         controller.emitted(4, 6)
     assert controller.delivered == {(4, True): 6.0}  # 6 tokens a second: the idle 1,000 s are not in it
     assert controller.choose(4, 4, 0) == 0  # no row drafts
-    assert controller.choose(4, 4, 4) == 0  # plain's first window
-    assert controller.plain_why == {"no row drafts": 1, "plain window": 1}
+    assert controller.choose(4, 4, 4) == 0  # plain's first measured window
+    assert controller.plain_why == {"warm-up window": steps, "no row drafts": 1, "plain window": 1}
 
 
 def test_a_bucket_runs_the_mode_whose_windows_delivered_more():
@@ -365,7 +370,7 @@ def test_a_bucket_runs_the_mode_whose_windows_delivered_more():
     bucket's tokens; drafting windows draft in every step."""
     tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
     now = [0.0]
-    controller = TierController(tiers, AdaptiveConfig(explore_every=10**6), clock=lambda: now[0])
+    controller = TierController(tiers, AdaptiveConfig(explore_every=10**6, window_margin=0.0), clock=lambda: now[0])
     controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 3.0] + [10.0] * (len(tiers) - 2)
     controller.accepted[1] = 0.5  # the estimate says plain wins: 1.5 tokens a row in 3 s against 1 in 1 s
     steps, loss = controller.config.window_steps, controller.config.window_loss
@@ -385,9 +390,12 @@ def test_a_bucket_runs_the_mode_whose_windows_delivered_more():
         return 1.0 - sum(t for _, _, t in runs) / (best * sum(s for _, s, _ in runs))
 
     same = {True: 1.0, False: 1.0}
-    modes = [window({True: 41, False: 40}, same)[0] for _ in range(20)]
-    assert modes[:2] == [True, False]  # each mode measured once
-    assert modes[2:].count(False) == 6  # then plain, 2.4 % behind, one window in 1 + ceil(1.4) = 3
+    modes = [window({True: 41, False: 40}, same)[0] for _ in range(21)]
+    # A plain warm-up window, then the modes take turns until each is measured window_samples times.
+    samples = controller.config.window_samples
+    assert modes[: 1 + 2 * samples] == [False] + [True, False] * samples
+    assert modes[1 + 2 * samples :].count(False) == 5  # then plain, 2.4 % behind, one window in 1 + ceil(1.4) = 3
+    assert controller.measured == {(4, True): 20 - 5 - samples, (4, False): 5 + samples}
     close = [window({True: 40, False: 40}, same)[0] for _ in range(20)]
     assert 9 <= close.count(True) <= 11  # equal: every other window
     # Far behind: once the means have settled, one window in 1 + 74.
@@ -398,3 +406,16 @@ def test_a_bucket_runs_the_mode_whose_windows_delivered_more():
     runs = [window({True: 30, False: 40}, {True: 3.0, False: 1.0}) for _ in range(3000)]
     assert 3 <= [d for d, _, _ in runs[-900:]].count(True) <= 5
     assert lost(runs[-900:], 40.0) <= loss * 1.05
+
+
+def test_drafting_leads_a_bucket_only_past_the_margin():
+    """Drafting windows delivering 5 % more than plain ones lose to a 10 % margin: plain leads, drafting is
+    explored one window in 1 + ceil(3.5) = 5 (4.5 % short after the margin); 20 % more leads."""
+    tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
+    controller = TierController(tiers, AdaptiveConfig(window_margin=0.1))
+    controller.delivered = {(4, True): 105.0, (4, False): 100.0}
+    controller.window_seconds = {(4, True): 1.0, (4, False): 1.0}
+    assert controller.rate(4, True) < controller.rate(4, False)
+    assert controller.explore_interval(4, False) == 5
+    controller.delivered[(4, True)] = 120.0
+    assert controller.rate(4, True) > controller.rate(4, False)

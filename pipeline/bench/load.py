@@ -5,7 +5,8 @@
 
 At each concurrency C, C clients each send their next request as soon as the previous one ends (closed
 loop, MT-bench first turns with the chat template, the end id ignored so every reply has max_tokens
-tokens) until max(2C, --min-requests) requests have finished. Reported per level: output tokens/s over
+tokens) until max(R * C, --min-requests) requests have finished, R = --requests-per-client (8: a level's
+start and end, when fewer than C requests run, are a small share of it). Reported per level: output tokens/s over
 the level's wall time, time to first token and inter-token latency (p50, p99: each gap between streamed
 chunks shared by the tokens it brought), and peak GPU memory. In-process the clients stream from
 `Engine.stream`; with --triton also through the bundled tritonserver (gRPC streaming to the engine
@@ -30,10 +31,10 @@ from typing import Any
 
 import torch
 
-from pipeline.bench.probes.variants import HELP, format_variant, parse_variant
+from pipeline.bench.probes.variants import HELP, format_variant, parse_fields, parse_variant
 from pipeline.bench.prompts import load_prompts
 from pipeline.bench.speed import SEED, SHAPES, _IdsOnly, device_tag, environment, random_model, save_json
-from pipeline.engine.adaptive import TierController
+from pipeline.engine.adaptive import AdaptiveConfig, TierController
 from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig
 from pipeline.engine.kernels.routing import attach
 from pipeline.engine.kernels.tuning import KernelTuning
@@ -47,6 +48,7 @@ IGNORE_END = -1
 CUDA_LEVELS = (1, 2, 4, 8, 16, 32, 64)
 CPU_LEVELS = (1, 4, 16)
 MIN_REQUESTS = 8
+REQUESTS_PER_CLIENT = 8
 BANDWIDTH_BYTES = 1 << 31
 BANDWIDTH_REPEATS = 20
 PERCENTILES = (50, 99)
@@ -121,10 +123,21 @@ def triton_client(url: str) -> Client:
     return run
 
 
+@dataclass(frozen=True)
+class LevelSize:
+    """Requests a level sends: per_client for each client, at least minimum."""
+
+    per_client: int = REQUESTS_PER_CLIENT
+    minimum: int = MIN_REQUESTS
+
+    def total(self, concurrency: int) -> int:
+        return max(self.per_client * concurrency, self.minimum)
+
+
 def run_level(
-    client: Client, prompts: list[list[int]], concurrency: int, params: SamplingParams, min_requests: int
+    client: Client, prompts: list[list[int]], concurrency: int, params: SamplingParams, size: LevelSize
 ) -> dict[str, Any]:
-    total = max(2 * concurrency, min_requests)
+    total = size.total(concurrency)
     lock = threading.Lock()
     queue = list(range(total))
     timings: list[Timing] = []
@@ -182,7 +195,7 @@ def sweep(
     prompts: list[list[int]],
     levels: tuple[int, ...],
     params: SamplingParams,
-    min_requests: int,
+    size: LevelSize,
     label: str,
     scheduler: Scheduler | None = None,
 ) -> list[dict[str, Any]]:
@@ -195,7 +208,7 @@ def sweep(
         before = dict(controller.chosen) if controller is not None else {}
         why = dict(controller.plain_why) if controller is not None else {}
         chunks, seconds = (scheduler.prefill_chunks, scheduler.prefill_seconds) if scheduler else (0, 0.0)
-        row = run_level(client, prompts, c, params, min_requests)
+        row = run_level(client, prompts, c, params, size)
         if scheduler is not None:  # the share of the level's wall time its prefills held the scheduler
             row["prefill_chunks"] = scheduler.prefill_chunks - chunks
             row["prefill_share"] = (scheduler.prefill_seconds - seconds) / row["seconds"]
@@ -224,13 +237,16 @@ def sweep(
 def controller_state(controller: TierController) -> dict[str, Any]:
     """What the controller believes after a level: each bucket's expected step ms a tier, each tier's expected
     accepted tokens a drafting row (for comparing its choices with what the tiers did), and the tokens a
-    second each bucket's windows delivered, plain and drafting."""
+    second each bucket's windows delivered, plain and drafting, with how many windows were measured."""
     return {
         "step_ms": {b: [round(c * 1e3, 3) for c in controller.costs(b)] for b in sorted(controller.ratio)},
         "expected_accepted": [round(controller.expected(i), 3) for i in range(len(controller.tiers))],
         "tiers": controller.names,
         "window_tokens_per_s": {
             f"{b} {'drafting' if d else 'plain'}": round(rate) for (b, d), rate in sorted(controller.delivered.items())
+        },
+        "windows_measured": {
+            f"{b} {'drafting' if d else 'plain'}": n for (b, d), n in sorted(controller.measured.items())
         },
     }
 
@@ -280,11 +296,19 @@ def tuning_variant(text: str) -> KernelTuning:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def adaptive_variant(text: str) -> AdaptiveConfig:
+    try:
+        return parse_fields(text, AdaptiveConfig())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
     serving = SchedulerConfig(
         max_batch_size=args.max_batch_size,
         batched=not args.single_stream,
         speculation=args.speculation,
+        adaptive=args.adaptive,
         invariant=args.invariant,
         stream_interval=args.stream_interval,
     )
@@ -346,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperatures", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.0,))
     p.add_argument("--min-requests", type=int, default=MIN_REQUESTS)
+    p.add_argument("--requests-per-client", type=int, default=REQUESTS_PER_CLIENT)
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument(
         "--prompt-ids",
@@ -366,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-interval", type=int, default=None, help="SchedulerConfig.stream_interval (default auto)")
     p.add_argument("--invariant", action="store_true", help="batch-invariant kernels (SchedulerConfig.invariant)")
     p.add_argument("--speculation", default="adaptive", help="speculative engines' tiers: adaptive, off, full, TIER")
+    p.add_argument(
+        "--adaptive",
+        type=adaptive_variant,
+        default=AdaptiveConfig(),
+        help="the tier controller's tuning: FIELD=VALUE[,FIELD=VALUE...] of AdaptiveConfig",
+    )
     p.add_argument("--triton", action="store_true", help="also through the bundled tritonserver (gRPC streaming)")
     p.add_argument(
         "--tuning", type=tuning_variant, default=None, help=f"CUDA: the target's and drafter's kernel tuning, {HELP}"
@@ -403,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             prompts,
             levels,
             params,
-            args.min_requests,
+            LevelSize(args.requests_per_client, args.min_requests),
             name,
             engine.scheduler,
         )
@@ -456,7 +487,8 @@ def run_triton(
             for temperature in args.temperatures:
                 params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, end_id=IGNORE_END)
                 name = f"triton grpc-stream T={temperature:g}"
-                out[name] = sweep(triton_client(server.grpc_url), prompts, levels, params, args.min_requests, name)
+                size = LevelSize(args.requests_per_client, args.min_requests)
+                out[name] = sweep(triton_client(server.grpc_url), prompts, levels, params, size, name)
     return out
 
 

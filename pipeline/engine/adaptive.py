@@ -3,11 +3,16 @@ by the tiers' expected tokens per second.
 
 Plain or drafting, a bucket at a time: steps run in windows of a batch bucket, each window plain or drafting
 throughout, and a window's rate is the tokens emitted over its wall time, whatever ran inside it (prefills,
-the host's work a row, a prefill waiting behind a longer step; not the wait for a request when none is left:
-that window ends unmeasured). A bucket runs the mode whose windows
-delivered more, and the other one window in so many: every other window while the two are within the loss
-allowed, rarely while the loser is far behind or its windows take longer (a drafting window at a large batch
-can take several plain ones' time), so that exploring costs at most a set share of the bucket's speed.
+the host's work a row, a catch-up; not the wait for a request when none is left: that window ends
+unmeasured). Prefills stay in: a mode that emits faster finishes requests, and so prefills, more often, and
+a prefill waits for the longer step a drafting window queued before it. A bucket's first windows run plain,
+unmeasured: load ramping into a bucket brings a burst of prompts, which would charge the first measured mode
+for them. Then the modes take turns until each has been measured a few times; from there a bucket runs the
+mode whose windows delivered more (drafting's rate taken a margin lower: at large batches its windows read
+higher than what drafting delivers), and the other one window in so many: every other window while the two
+are within the loss allowed, rarely while the loser is far behind or its windows take longer (a drafting
+window at a large batch can take several plain ones' time), so that exploring costs at most a set share of
+the bucket's speed.
 
 Which drafting tier: for a step of B drafting rows in batch bucket b, tier t is worth (B + sum of the rows'
 expected accepted tokens under t) / cost[b][t]. A bucket's cost is its plain step's time, kept current from
@@ -60,13 +65,20 @@ class AdaptiveConfig:
     request_min_steps: int = 16
     request_pause: int = 64
     request_weight: float = 0.2
-    # Windows of window_steps steps of one bucket, plain or drafting; a window's rate and duration move its
-    # mode's means by window_weight. The mode that delivered less runs one window in as few as window_explore
-    # while that costs the bucket at most window_loss of its tokens (its shortfall over its share of the time).
+    # Windows of window_steps steps of one bucket, plain or drafting. A bucket's first window_warmup windows
+    # run plain, unmeasured; then the modes alternate until each has window_samples measured windows (their
+    # plain average), after which a window's rate and duration move its mode's means by window_weight. The
+    # mode that delivered less runs one window in as few as window_explore while that costs the bucket at
+    # most window_loss of its tokens (its shortfall over its share of the time).
     window_steps: int = 32
+    window_warmup: int = 1
+    window_samples: int = 3
     window_explore: int = 2
     window_weight: float = 0.3
     window_loss: float = 0.01
+    # Drafting windows' rates are compared after division by 1 + window_margin: at large batches they read
+    # higher, against plain's, than what drafting delivers over a run (BENCHMARKS §4).
+    window_margin: float = 0.1
 
 
 @dataclass
@@ -76,6 +88,7 @@ class Window:
     bucket: int
     drafting: bool
     start: float
+    measured: bool = True  # False: a warm-up window
     steps: int = 0
     tokens: int = 0
 
@@ -100,8 +113,9 @@ class TierController:
     opened: dict[int, int] = field(default_factory=dict)  # bucket -> windows opened
     delivered: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, drafting) -> tokens a second
     window_seconds: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, drafting) -> seconds
+    measured: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, drafting) -> windows closed
     # Plain steps of the adaptive policy by why (observability): "no row drafts" (every row opted out or is
-    # paused for low acceptance), "plain window".
+    # paused for low acceptance), "warm-up window", "plain window".
     plain_why: dict[str, int] = field(default_factory=dict)
     clock: Callable[[], float] = time.perf_counter
 
@@ -163,8 +177,9 @@ class TierController:
             return len(self.tiers) - 1
         if policy != "adaptive":
             return self.names.index(policy)
-        if not self._window(bucket).drafting:
-            return self._plain("plain window")
+        window = self._window(bucket)
+        if not window.drafting:
+            return self._plain("plain window" if window.measured else "warm-up window")
         costs = self.costs(bucket)
         speed = [(rows + drafting * self.expected(i)) / costs[i] for i in range(len(self.tiers))]
         for i in range(1, len(speed)):  # a tier that has run here is worth at most what it delivered
@@ -197,21 +212,30 @@ class TierController:
         if self.window is not None and self.window.bucket == bucket:
             return self.window
         opened = self.opened[bucket] = self.opened.get(bucket, 0) + 1
-        with_drafting, without = self.delivered.get((bucket, True)), self.delivered.get((bucket, False))
-        if with_drafting is None or without is None:
-            drafting = with_drafting is None  # each mode's first window
+        cfg = self.config
+        if opened <= cfg.window_warmup:
+            self.window = Window(bucket, False, self.clock(), measured=False)
+            return self.window
+        with_drafting, without = self.measured.get((bucket, True), 0), self.measured.get((bucket, False), 0)
+        if min(with_drafting, without) < cfg.window_samples:
+            drafting = with_drafting <= without  # taking turns, drafting first
         else:
-            better = with_drafting >= without
+            better = self.rate(bucket, True) >= self.rate(bucket, False)
             drafting = better if opened % self.explore_interval(bucket, better) else not better
         self.window = Window(bucket, drafting, self.clock())
         return self.window
+
+    def rate(self, bucket: int, drafting: bool) -> float:
+        """A mode's windows' tokens a second in `bucket` as compared (drafting's less the margin)."""
+        rate = self.delivered[(bucket, drafting)]
+        return rate / (1.0 + self.config.window_margin) if drafting else rate
 
     def explore_interval(self, bucket: int, better: bool) -> int:
         """Windows of `bucket` per window of the mode that delivered less (`not better`): one losing window
         and n - 1 winning ones lose shortfall * D_lose / (D_lose + (n - 1) * D_win) of the tokens, at most
         window_loss for n >= 1 + (D_lose / D_win) * (shortfall - window_loss) / window_loss."""
         cfg = self.config
-        win, lose = self.delivered[(bucket, better)], self.delivered[(bucket, not better)]
+        win, lose = self.rate(bucket, better), self.rate(bucket, not better)
         shortfall = 1.0 - lose / max(win, 1e-9)
         stretch = self.window_seconds[(bucket, not better)] / max(self.window_seconds[(bucket, better)], 1e-9)
         needed = 1 + math.ceil(stretch * (shortfall - cfg.window_loss) / cfg.window_loss)
@@ -219,7 +243,8 @@ class TierController:
 
     def emitted(self, bucket: int, tokens: int) -> None:
         """A step of `bucket` was read with `tokens` new tokens: counted in its window, which closes after
-        window_steps steps with its rate (tokens over the wall time since it opened)."""
+        window_steps steps with its rate (tokens over the wall time since it opened); a mode's first
+        window_samples rates are averaged, later ones move the mean by window_weight."""
         window = self.window
         if window is None or window.bucket != bucket:
             return
@@ -227,8 +252,13 @@ class TierController:
         window.tokens += tokens
         if window.steps < self.config.window_steps:
             return
-        seconds = self.clock() - window.start
-        key, self.window, w = (bucket, window.drafting), None, self.config.window_weight
+        self.window = None
+        if not window.measured:
+            return
+        seconds = max(self.clock() - window.start, 1e-9)
+        key = (bucket, window.drafting)
+        count = self.measured[key] = self.measured.get(key, 0) + 1
+        w = max(self.config.window_weight, 1.0 / count)
         self.delivered[key] = moved(self.delivered.get(key), window.tokens / seconds, w)
         self.window_seconds[key] = moved(self.window_seconds.get(key), seconds, w)
 

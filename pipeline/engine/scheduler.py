@@ -21,6 +21,7 @@ own decode loop (`serial`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 import threading
@@ -77,6 +78,8 @@ class SchedulerConfig:
     cache: CacheBudget = field(default_factory=CacheBudget)
     batched: bool = True  # False: one request at a time through the engine's own decode loop
     speculation: str = "adaptive"  # speculative engines: adaptive tiers, "off", "full", or one tier's name
+    # The tier controller's tuning; its policy is `speculation`'s.
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     invariant: bool = False  # CUDA: batch-invariant kernels for the target (kernels.invariant)
     # Tokens a request's stream chunk holds at least (its first and last chunks aside); None: automatic (on
     # CUDA 1 up to STREAM_WAKES_PER_STEP running requests, then growing with them; on a CPU see
@@ -185,7 +188,9 @@ class Scheduler:
         self.inflight: _Inflight | None = None  # the decode step queued on the device, not read yet
         self.spec = step if isinstance(step, SpecStep) else None
         self.controller = (
-            TierController(self.spec.tiers, AdaptiveConfig(policy=config.speculation)) if self.spec else None
+            TierController(self.spec.tiers, dataclasses.replace(config.adaptive, policy=config.speculation))
+            if self.spec
+            else None
         )
         self.free_states = list(range(max_batch_size, 0, -1))  # proposer-state rows; 0 is the padding rows'
         # Every admitted request's step inputs, a row each (its state row): a step's rows are one fancy index.

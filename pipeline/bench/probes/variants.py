@@ -1,17 +1,20 @@
 """Kernel tuning variants from the command line: "base" (the engine's KernelTuning) or FIELD=VALUE pairs
-joined by commas, e.g. `rope_in_gemv=0,block_rows=16` or `rows_small_tile=64/16/128/4/5` (a tuple)."""
+joined by commas, e.g. `rope_in_gemv=0,block_rows=16` or `rows_small_tile=64/16/128/4/5` (a tuple); the same
+pairs for the tier controller's AdaptiveConfig."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
 
+from pipeline.engine.adaptive import AdaptiveConfig
 from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 BASE = "base"
 HELP = f'"{BASE}" or FIELD=VALUE[,FIELD=VALUE...] of KernelTuning (a tuple as 64/16/128/4/5)'
-FieldValue = int | bool | str | tuple[int, ...]  # the types of KernelTuning's fields
+FieldValue = int | bool | float | str | tuple[int, ...]  # the types of KernelTuning's fields
+Config = TypeVar("Config", KernelTuning, AdaptiveConfig)
 
 
 def parse_value(text: str, current: FieldValue) -> FieldValue:
@@ -27,11 +30,15 @@ def parse_value(text: str, current: FieldValue) -> FieldValue:
 
 def parse_variant(variant: str, base: KernelTuning = DEFAULT_TUNING) -> KernelTuning:
     """The tuning a variant names (see the module's docstring); raises ValueError with the fields on a bad one."""
-    if variant == BASE:
-        return base
-    fields = {f.name for f in dataclasses.fields(KernelTuning)}
+    return base if variant == BASE else parse_fields(variant, base)
+
+
+def parse_fields(text: str, base: Config) -> Config:
+    """`base` (a frozen dataclass) with the FIELD=VALUE pairs of `text` replaced; ValueError naming the fields
+    on a bad pair."""
+    fields = {f.name for f in dataclasses.fields(base)}
     changes: dict[str, Any] = {}  # each value of its field's type (parse_value), by the field's name
-    for item in variant.split(","):
+    for item in text.split(","):
         name, _, value = item.partition("=")
         if name not in fields or not value:
             raise ValueError(f"{item!r}: write FIELD=VALUE with FIELD one of {', '.join(sorted(fields))}")
