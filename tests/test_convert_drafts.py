@@ -16,6 +16,7 @@ from pipeline.builder.build import BuildOptions, build_engine
 from pipeline.cli import main
 from pipeline.convert.checkpoint import read_checkpoint
 from pipeline.convert.convert import DraftInputs, convert
+from pipeline.convert.eagle import not_a_later_copy
 from pipeline.convert.llama import fuse_qkv, llama_tensors
 from pipeline.convert.medusa import load_medusa_tensors, medusa_file
 from pipeline.convert.source import load_target
@@ -191,6 +192,9 @@ def test_eagle_converts_per_reference(fmt: str, with_embedding: bool, target, tm
     s = rank_shapes(ckpt, 0)
     assert s["eagle_nets.3.drafter.fc.weight"] == [HIDDEN // 2, 2 * HIDDEN]
     assert s["eagle_nets.3.lm_head.weight"] == [(cfg["vocab_size"] + 1) // 2, HIDDEN]
+    # The portable engine reads the first copy only (the others cost memory at load, never used).
+    _, first = read_checkpoint(ckpt, keep=not_a_later_copy)
+    assert {k for k in t if not k.startswith("eagle_nets.") or k.startswith("eagle_nets.0.")} == set(first)
 
 
 def test_eagle_refusals(target, tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,7 @@ them back into full, unsharded TensorRT-LLM-named tensors (what the portable eng
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,11 @@ def read_config(ckpt_dir: str | Path) -> dict[str, Any]:
     return config
 
 
-def read_checkpoint(ckpt_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config, full tensors): rank files merged, vocab padding dropped, layer indices global.
+def read_checkpoint(
+    ckpt_dir: str | Path, keep: Callable[[str], bool] | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config, full tensors): rank files merged, vocab padding dropped, layer indices global; only the
+    tensors whose names `keep` accepts, if given.
 
     Works on a checkpoint folder and on a portable engine folder (config = its pretrained_config).
     """
@@ -87,7 +91,7 @@ def read_checkpoint(ckpt_dir: str | Path) -> tuple[dict[str, Any], dict[str, tor
         file = rank_file(ckpt_dir, rank)
         if not file.is_file():
             raise UserError(f"{file}: missing; mapping says {world} ranks (tp*pp); re-run `specpipe convert`")
-        ranks.append(read_safetensors(file))
+        ranks.append(read_safetensors(file, keep))
     tensors = merge_shards(ranks, config)
     check_shapes(config, tensors, ckpt_dir)
     return config, tensors

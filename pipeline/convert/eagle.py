@@ -7,6 +7,7 @@ TensorRT-LLM keeps num_eagle_layers identical copies of the draft, one per tree 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +22,15 @@ DEFAULT_EAGLE_DRAFT_LEN = 63
 DEFAULT_NUM_EAGLE_LAYERS = 4
 DEFAULT_MAX_NON_LEAVES = 10
 MAX_EAGLE_DRAFT_LEN = 256
+EAGLE_COPY = re.compile(r"eagle_nets\.(\d+)\.")
+
+
+def not_a_later_copy(name: str) -> bool:
+    """False for the tensors of the draft's copies past the first (eagle_nets.{i}., i >= 1), which the
+    portable engine never reads: loading them would cost num_eagle_layers - 1 drafts' memory."""
+    match = EAGLE_COPY.match(name)
+    return match is None or match.group(1) == "0"
+
 
 # Layer 0 of an EAGLE-1 draft has no input_layernorm, so that rule is optional here (checked for l >= 1).
 EAGLE_LAYER_RULES: tuple[WeightRule, ...] = tuple(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,11 +213,12 @@ def check_weights(config: Any, state_dict: dict[str, torch.Tensor], path: Path) 
             )
 
 
-def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    """All tensors of one file; a truncated or corrupt file is a UserError naming it."""
+def read_safetensors(file: Path, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of one file (those whose names `keep` accepts; all without it); a truncated or corrupt file
+    is a UserError naming it."""
     try:
         with safe_open(str(file), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
+            return {k: f.get_tensor(k) for k in f.keys() if keep is None or keep(k)}
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise UserError(
             f"{file}: cannot read safetensors ({exc}); the file is truncated or corrupt, re-download or re-export it"

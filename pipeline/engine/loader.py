@@ -53,6 +53,7 @@ def load_engine(
     from transformers import AutoTokenizer
 
     from pipeline.convert.checkpoint import read_checkpoint
+    from pipeline.convert.eagle import not_a_later_copy
 
     if engine.backend != "portable":
         raise UserError(
@@ -62,7 +63,7 @@ def load_engine(
     if runs_as_ranks(engine, serving):  # one process a rank, each loading its own shard
         dtype = dtype or DTYPES[engine.pretrained_config.get("dtype", "float32")]
         return load_tensor_parallel(engine, device, dtype, max_positions(engine), serving, parallel or ParallelConfig())
-    config, tensors = read_checkpoint(engine.path)
+    config, tensors = read_checkpoint(engine.path, keep=not_a_later_copy)
     dtype = dtype or DTYPES[config.get("dtype", "float32")]
     target = build_transformer(config, tensors, str(engine.path), max_positions(engine)).to(device, dtype).eval()
     limits = engine.limits

@@ -117,11 +117,12 @@ def rank_engine(
 ) -> Engine:
     """An Engine over rank `rank`'s shard: per-rank heads, so its block pool holds this rank's KV heads."""
     from pipeline.convert.checkpoint import rank_file, read_config
+    from pipeline.convert.eagle import not_a_later_copy
     from pipeline.convert.source import read_safetensors
 
     config = read_config(engine.path)
     file = rank_file(engine.path, rank)
-    tensors = read_safetensors(file)
+    tensors = read_safetensors(file, not_a_later_copy)
     cfg = ModelConfig.from_pretrained_config(config, set(tensors))  # biases: by the shard's tensor names
     cfg = replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, positions))
     target = rank_transformer(cfg, world)
