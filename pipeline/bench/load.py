@@ -6,9 +6,9 @@
 At each concurrency C, C clients each send their next request as soon as the previous one ends (closed
 loop, MT-bench first turns with the chat template, the end id ignored so every reply has max_tokens
 tokens) until max(R * C, --min-requests) requests have finished, R = --requests-per-client (8: a level's
-start and end, when fewer than C requests run, are a small share of it). Reported per level: output tokens/s over
-the level's wall time, time to first token and inter-token latency (p50, p99: each gap between streamed
-chunks shared by the tokens it brought), and peak GPU memory. In-process the clients stream from
+start and end, when fewer than C requests run, are a small share of it). Reported per level: output
+tokens/s over the level's wall time, time to first token and inter-token latency (p50, p99: each gap
+between streamed chunks shared by the tokens it brought), and peak GPU memory. In-process the clients stream from
 `Engine.stream`; with --triton also through the bundled tritonserver (gRPC streaming to the engine
 model, token ids in and out). --shape builds a plain engine of random weights in that model's shape
 (output speed does not depend on the weights at a fixed length): the prompts keep their token counts.
@@ -426,20 +426,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     print(f"{label} on {args.device}: capacity {engine.capacity}", flush=True)
     results: dict[str, list[dict[str, Any]]] = {}
+    size = LevelSize(args.requests_per_client, args.min_requests)
     for temperature in args.temperatures:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, end_id=IGNORE_END)
         name = f"in-process T={temperature:g}"
-        results[name] = sweep(
-            in_process_client(engine),
-            prompts,
-            levels,
-            params,
-            LevelSize(args.requests_per_client, args.min_requests),
-            name,
-            engine.scheduler,
-        )
+        results[name] = sweep(in_process_client(engine), prompts, levels, params, size, name, engine.scheduler)
     if args.triton:
-        results.update(run_triton(args, prompts, levels))
+        results.update(run_triton(args, prompts, levels, size))
     floor = bytes_floor(engine, prompts, args) if args.shape and args.device.startswith("cuda") else None
     if floor is not None:
         for rows in results.values():
@@ -472,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_triton(
-    args: argparse.Namespace, prompts: list[list[int]], levels: tuple[int, ...]
+    args: argparse.Namespace, prompts: list[list[int]], levels: tuple[int, ...], size: LevelSize
 ) -> dict[str, list[dict[str, Any]]]:
     from pipeline.triton.repo import write_repository
     from pipeline.triton.server import TritonServer, free_ports
@@ -487,7 +480,6 @@ def run_triton(
             for temperature in args.temperatures:
                 params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, end_id=IGNORE_END)
                 name = f"triton grpc-stream T={temperature:g}"
-                size = LevelSize(args.requests_per_client, args.min_requests)
                 out[name] = sweep(triton_client(server.grpc_url), prompts, levels, params, size, name)
     return out
 

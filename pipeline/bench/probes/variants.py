@@ -13,7 +13,7 @@ from pipeline.engine.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 BASE = "base"
 HELP = f'"{BASE}" or FIELD=VALUE[,FIELD=VALUE...] of KernelTuning (a tuple as 64/16/128/4/5)'
-FieldValue = int | bool | float | str | tuple[int, ...]  # the types of KernelTuning's fields
+FieldValue = int | bool | float | str | tuple[int, ...]  # the types of KernelTuning's and AdaptiveConfig's fields
 Config = TypeVar("Config", KernelTuning, AdaptiveConfig)
 
 
