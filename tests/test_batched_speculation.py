@@ -419,3 +419,28 @@ def test_drafting_leads_a_bucket_only_past_the_margin():
     assert controller.explore_interval(4, False) == 5
     controller.delivered[(4, True)] = 120.0
     assert controller.rate(4, True) > controller.rate(4, False)
+
+
+def test_a_modes_rate_weighs_its_windows_by_their_time():
+    """A window a burst of prefills stretched counts for its time, as in a run: 64 tokens in 1 s and 64 in
+    3 s are 32 tokens a second (128 in 4 s), not the 42.7 their rates average to; every closed window is kept
+    with the prompt chunks prefilled in it."""
+    tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
+    now = [0.0]
+    config = AdaptiveConfig(explore_every=10**6, window_warmup=0, window_steps=2)
+    controller = TierController(tiers, config, clock=lambda: now[0])
+    controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0] * len(tiers)
+    for seconds, prefills in [(1.0, 0), (0.5, 0), (3.0, 2), (0.5, 0)]:  # drafting, plain, drafting, plain
+        controller.choose(4, 4, 4)
+        controller.prefilled(prefills)
+        for _ in range(2):
+            now[0] += seconds / 2
+            controller.emitted(4, 32)
+    assert controller.delivered[(4, True)] == pytest.approx(32.0)
+    assert controller.delivered[(4, False)] == pytest.approx(128.0)
+    assert [(w.drafting, w.seconds, w.prefills) for w in controller.history] == [
+        (True, 1.0, 0),
+        (False, 0.5, 0),
+        (True, 3.0, 2),
+        (False, 0.5, 0),
+    ]

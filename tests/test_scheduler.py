@@ -16,6 +16,7 @@ import torch
 from conftest import convert_and_build
 
 from pipeline.engine.kv_cache import CacheBudget
+from pipeline.engine.readback import Pending, Readback
 from pipeline.engine.request import ChunkQueue, StreamChunk, StreamClosed
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import (
@@ -129,6 +130,47 @@ def test_a_burst_of_short_prompts_is_prefilled_in_one_iteration(engine_dir, engi
             assert scheduler.prefill_rounds == rounds
         else:  # each iteration takes whole chunks while they fit: more than one round, fewer than one each
             assert 1 < scheduler.prefill_rounds <= len(work)
+
+
+class _Copied:
+    """A copy that has run (what a CUDA event reports once the device got there)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class HeldReadback(Readback):
+    """First tokens handed over as from a device: the scheduler reads them an iteration later, behind the
+    next decode step, as on CUDA (on the CPU it reads them at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups = 0
+
+    def start(self, values: torch.Tensor) -> Pending:
+        self.groups += 1
+        return Pending(values.clone(), _Copied())  # type: ignore[arg-type]
+
+
+def test_first_tokens_read_an_iteration_later_change_no_output(engine_dir, engine):
+    """On CUDA a prompt's first token is read behind the next decode step (no wait for the device in an
+    iteration that prefills): the request decodes from the step after. Mixed requests, alone and together,
+    give the tokens they give read at once; a stream closed while its first token is on the way frees its
+    blocks."""
+    work = jobs(engine, 8)
+    alone = [engine.generate(ids, params).token_ids for ids, params in work]
+    held = Engine.from_dir(engine_dir)
+    readback = held.scheduler.first_readback = HeldReadback()
+    assert [held.generate(ids, params).token_ids for ids, params in work] == alone
+    together, widest = run_together(held, work)
+    assert together == alone and widest > 1
+    assert readback.groups >= len(work)
+    with held.scheduler.lock:  # queued together: the first tokens are on the way when the stream closes
+        streams = [held.stream(ids, params) for ids, params in work[:3]]
+    streams[0].close()
+    assert [t for c in streams[1] for t in c.token_ids] == alone[1]
+    assert [t for c in streams[2] for t in c.token_ids] == alone[2]
+    assert held.scheduler.usage() == {"waiting": 0, "running": 0, "used_blocks": 0}
 
 
 def test_the_stream_interval_groups_tokens_and_keeps_them(engine_dir, engine):

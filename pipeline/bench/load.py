@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pipeline.bench.probes.variants import HELP, format_variant, parse_fields, parse_variant
+from pipeline.bench.probes.variants import BASE, HELP, format_variant, parse_fields, parse_variant
 from pipeline.bench.prompts import load_prompts
 from pipeline.bench.speed import SEED, SHAPES, _IdsOnly, device_tag, environment, random_model, save_json
 from pipeline.engine.adaptive import AdaptiveConfig, TierController
@@ -208,6 +208,7 @@ def sweep(
         before = dict(controller.chosen) if controller is not None else {}
         why = dict(controller.plain_why) if controller is not None else {}
         chunks, seconds = (scheduler.prefill_chunks, scheduler.prefill_seconds) if scheduler else (0, 0.0)
+        closed = controller.closed if controller is not None else 0
         row = run_level(client, prompts, c, params, size)
         if scheduler is not None:  # the share of the level's wall time its prefills held the scheduler
             row["prefill_chunks"] = scheduler.prefill_chunks - chunks
@@ -219,7 +220,7 @@ def sweep(
                 if n > before.get(i, 0)
             }
             row["plain_why"] = {k: n - why.get(k, 0) for k, n in controller.plain_why.items() if n > why.get(k, 0)}
-            row["controller"] = controller_state(controller)
+            row["controller"] = controller_state(controller, closed)
         rows.append(row)
         print(
             f"{label:>24}  C={c:>3}  {row['output_tokens_per_s']:9.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:8.1f} "
@@ -234,10 +235,13 @@ def sweep(
     return rows
 
 
-def controller_state(controller: TierController) -> dict[str, Any]:
+def controller_state(controller: TierController, closed_before: int = 0) -> dict[str, Any]:
     """What the controller believes after a level: each bucket's expected step ms a tier, each tier's expected
-    accepted tokens a drafting row (for comparing its choices with what the tiers did), and the tokens a
-    second each bucket's windows delivered, plain and drafting, with how many windows were measured."""
+    accepted tokens a drafting row (for comparing its choices with what the tiers did), the tokens a second
+    each bucket's windows delivered, plain and drafting, with how many windows were measured, and the windows
+    closed since `closed_before` (bucket, mode, steps, tokens, seconds, prompt chunks prefilled)."""
+    new = min(controller.closed - closed_before, len(controller.history))
+    windows = list(controller.history)[len(controller.history) - new :] if new else []
     return {
         "step_ms": {b: [round(c * 1e3, 3) for c in controller.costs(b)] for b in sorted(controller.ratio)},
         "expected_accepted": [round(controller.expected(i), 3) for i in range(len(controller.tiers))],
@@ -248,6 +252,17 @@ def controller_state(controller: TierController) -> dict[str, Any]:
         "windows_measured": {
             f"{b} {'drafting' if d else 'plain'}": n for (b, d), n in sorted(controller.measured.items())
         },
+        "windows": [
+            [
+                w.bucket,
+                "drafting" if w.drafting else "plain" if w.measured else "warm-up",
+                w.steps,
+                w.tokens,
+                round(w.seconds, 6),
+                w.prefills,
+            ]
+            for w in windows
+        ],
     }
 
 
@@ -296,11 +311,48 @@ def tuning_variant(text: str) -> KernelTuning:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-def adaptive_variant(text: str) -> AdaptiveConfig:
+def adaptive_variant(text: str) -> tuple[str, AdaptiveConfig]:
+    """A controller variant from the command line (its text, its config): "base" or FIELD=VALUE pairs."""
     try:
-        return parse_fields(text, AdaptiveConfig())
+        return text, AdaptiveConfig() if text == BASE else parse_fields(text, AdaptiveConfig())
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def controller_sweeps(
+    engine: Engine,
+    prompts: list[list[int]],
+    levels: tuple[int, ...],
+    params: SamplingParams,
+    size: LevelSize,
+    variants: list[tuple[str, AdaptiveConfig]],
+    rounds: int,
+) -> dict[str, list[dict[str, Any]]]:
+    """A speculative engine's sweep under each controller variant, interleaved in one process: each level
+    runs every variant in turn (so that a drifting machine shifts them alike), `rounds` times over with
+    fresh controllers; every controller starts from the tier costs measured at load."""
+    scheduler = engine.scheduler
+    loaded = scheduler.controller
+    assert loaded is not None and scheduler.spec is not None
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in range(rounds):
+        controllers = {}
+        for text, config in variants:
+            if config.policy == AdaptiveConfig.policy:  # not set by the variant: --speculation's
+                config = replace(config, policy=loaded.config.policy)
+            c = TierController(scheduler.spec.tiers, config)
+            c.plain_cost = dict(loaded.plain_cost)
+            c.ratio = {b: list(ratio) for b, ratio in loaded.ratio.items()}
+            name = f"in-process T={params.temperature:g} {text}" + (f" round {r + 1}" if rounds > 1 else "")
+            controllers[name] = c
+        for level in levels:
+            for name, c in controllers.items():
+                scheduler.controller = c
+                out.setdefault(name, []).extend(
+                    sweep(in_process_client(engine), prompts, (level,), params, size, name, scheduler)
+                )
+    scheduler.controller = loaded
+    return out
 
 
 def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
@@ -308,7 +360,7 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
         max_batch_size=args.max_batch_size,
         batched=not args.single_stream,
         speculation=args.speculation,
-        adaptive=args.adaptive,
+        adaptive=args.adaptive[0][1] if args.adaptive else AdaptiveConfig(),
         invariant=args.invariant,
         stream_interval=args.stream_interval,
     )
@@ -394,9 +446,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--adaptive",
         type=adaptive_variant,
-        default=AdaptiveConfig(),
-        help="the tier controller's tuning: FIELD=VALUE[,FIELD=VALUE...] of AdaptiveConfig",
+        action="append",
+        help="the tier controller's tuning: base or FIELD=VALUE[,FIELD=VALUE...] of AdaptiveConfig; given more "
+        "than once, the variants run interleaved level by level",
     )
+    p.add_argument("--rounds", type=int, default=1, help="with several --adaptive: the interleaved sweeps' count")
     p.add_argument("--triton", action="store_true", help="also through the bundled tritonserver (gRPC streaming)")
     p.add_argument(
         "--tuning", type=tuning_variant, default=None, help=f"CUDA: the target's and drafter's kernel tuning, {HELP}"
@@ -429,6 +483,11 @@ def main(argv: list[str] | None = None) -> int:
     size = LevelSize(args.requests_per_client, args.min_requests)
     for temperature in args.temperatures:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, end_id=IGNORE_END)
+        if args.adaptive and (len(args.adaptive) > 1 or args.rounds > 1):
+            if engine.scheduler.controller is None:
+                raise SystemExit("several --adaptive variants need a speculative engine")
+            results.update(controller_sweeps(engine, prompts, levels, params, size, args.adaptive, args.rounds))
+            continue
         name = f"in-process T={temperature:g}"
         results[name] = sweep(in_process_client(engine), prompts, levels, params, size, name, engine.scheduler)
     if args.triton:

@@ -1,7 +1,7 @@
 """Speculation's speed-up over plain decoding against concurrency, from concurrency sweeps (load.py).
 
     python -m pipeline.bench.speedup --plain PLAIN.json --method eagle=EAGLE.json [--method medusa=M.json ...]
-        --output bench/speedup.png
+        [--method "eagle, off=EAGLE.json#in-process T=0 policy=off"] --output bench/speedup.png
 
 Prints one row per concurrency (each method's tok/s over plain's, its tokens a step and the tiers its
 controller chose) and draws one line per method, with the published points of other systems marked.
@@ -22,20 +22,33 @@ ANCHORS = (
 )
 
 
-def greedy_rows(path: Path) -> dict[int, dict[str, Any]]:
+def greedy_rows(path: Path, key: str = "") -> dict[int, dict[str, Any]]:
+    """A sweep's rows by concurrency: results[key], else the in-process greedy ones, else the first."""
     results = json.loads(path.read_text())["results"]
-    rows = results.get("in-process T=0") or next(iter(results.values()))
+    if key and key not in results:
+        raise SystemExit(f"{path}: no results {key!r}; it has {', '.join(map(repr, results))}")
+    rows = results[key] if key else results.get("in-process T=0") or next(iter(results.values()))
     return {r["concurrency"]: r for r in rows}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plain", type=Path, required=True)
-    p.add_argument("--method", action="append", default=[], help="NAME=load JSON of that engine")
+    p.add_argument(
+        "--method",
+        action="append",
+        default=[],
+        help="NAME=JSON[#RESULTS]: that engine's load JSON (RESULTS: one of its result sets, as several "
+        "--adaptive variants write them); a NAME given twice joins the files' levels",
+    )
     p.add_argument("--output", type=Path, required=True, help="the plot (PNG)")
     args = p.parse_args(argv)
     plain = greedy_rows(args.plain)
-    methods = {m.split("=", 1)[0]: greedy_rows(Path(m.split("=", 1)[1])) for m in args.method}
+    methods: dict[str, dict[int, dict[str, Any]]] = {}
+    for m in args.method:
+        name, _, spec = m.partition("=")
+        path, _, key = spec.partition("#")
+        methods.setdefault(name, {}).update(greedy_rows(Path(path), key))
     import matplotlib
 
     matplotlib.use("Agg")

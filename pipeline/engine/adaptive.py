@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -81,6 +82,9 @@ class AdaptiveConfig:
     window_margin: float = 0.1
 
 
+HISTORY_WINDOWS = 1024  # closed windows kept for observability (TierController.history)
+
+
 @dataclass
 class Window:
     """Steps of one bucket, plain or drafting: the tokens they emitted and since when."""
@@ -91,6 +95,8 @@ class Window:
     measured: bool = True  # False: a warm-up window
     steps: int = 0
     tokens: int = 0
+    prefills: int = 0  # prompt chunks prefilled while it was open
+    seconds: float = 0.0  # its wall time, once closed
 
 
 @dataclass
@@ -113,7 +119,10 @@ class TierController:
     opened: dict[int, int] = field(default_factory=dict)  # bucket -> windows opened
     delivered: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, drafting) -> tokens a second
     window_seconds: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, drafting) -> seconds
+    window_tokens: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, drafting) -> tokens
     measured: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, drafting) -> windows closed
+    history: deque[Window] = field(default_factory=lambda: deque(maxlen=HISTORY_WINDOWS))  # the last closed
+    closed: int = 0  # windows closed in all
     # Plain steps of the adaptive policy by why (observability): "no row drafts" (every row opted out or is
     # paused for low acceptance), "warm-up window", "plain window".
     plain_why: dict[str, int] = field(default_factory=dict)
@@ -241,10 +250,16 @@ class TierController:
         needed = 1 + math.ceil(stretch * (shortfall - cfg.window_loss) / cfg.window_loss)
         return max(cfg.window_explore, needed)
 
+    def prefilled(self, chunks: int) -> None:
+        """`chunks` prompt chunks were queued while the open window runs (observability)."""
+        if self.window is not None:
+            self.window.prefills += chunks
+
     def emitted(self, bucket: int, tokens: int) -> None:
         """A step of `bucket` was read with `tokens` new tokens: counted in its window, which closes after
-        window_steps steps with its rate (tokens over the wall time since it opened); a mode's first
-        window_samples rates are averaged, later ones move the mean by window_weight."""
+        window_steps steps with its tokens and wall time since it opened; a mode's first window_samples
+        windows are averaged, later ones move the means by window_weight. Its rate is the mean tokens over
+        the mean seconds: a window that a burst of prefills stretched weighs by its time, as in a run."""
         window = self.window
         if window is None or window.bucket != bucket:
             return
@@ -253,14 +268,17 @@ class TierController:
         if window.steps < self.config.window_steps:
             return
         self.window = None
+        window.seconds = seconds = max(self.clock() - window.start, 1e-9)
+        self.history.append(window)
+        self.closed += 1
         if not window.measured:
             return
-        seconds = max(self.clock() - window.start, 1e-9)
         key = (bucket, window.drafting)
         count = self.measured[key] = self.measured.get(key, 0) + 1
         w = max(self.config.window_weight, 1.0 / count)
-        self.delivered[key] = moved(self.delivered.get(key), window.tokens / seconds, w)
         self.window_seconds[key] = moved(self.window_seconds.get(key), seconds, w)
+        self.window_tokens[key] = moved(self.window_tokens.get(key), window.tokens, w)
+        self.delivered[key] = self.window_tokens[key] / self.window_seconds[key]
 
     def timed_plain(self, bucket: int, seconds: float | None) -> None:
         """A plain step of `bucket` was read `seconds` after the step before it (None: not measured). Right

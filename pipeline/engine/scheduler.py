@@ -5,7 +5,9 @@ order while the block pool can hold their worst case (prompt + max_tokens), so a
 out of blocks; blocks are taken as sequences grow and given back the moment a request finishes or is
 cancelled. Each iteration queues one decode step for every running request, whose new tokens reach the host in
 one copy while the next step runs, and behind it prompts' chunks of at most prefill_chunk tokens together (a
-burst of short prompts in one iteration; a long prompt stalls the running streams by one chunk). A request's
+burst of short prompts in one iteration; a long prompt stalls the running streams by one chunk). A prompt's
+first token is read an iteration later, behind the next decode step, so no iteration waits for the device
+before queuing its step; the request decodes from the step after that. A request's
 tokens reach its stream in chunks of at least the stream interval (STREAM_WAKES_PER_STEP,
 CPU_STREAM_INTERVAL), and chunks a consumer has not taken yet merge, so a consumer wakes once for several
 steps. A consumer that stops reading (closes the stream) cancels its request at the next iteration.
@@ -36,7 +38,7 @@ import torch
 
 from pipeline.engine.adaptive import AdaptiveConfig, TierController
 from pipeline.engine.kv_cache import BlockPool, CacheBudget
-from pipeline.engine.readback import Pending
+from pipeline.engine.readback import Pending, Readback
 from pipeline.engine.request import ChunkQueue, GenerationResult, RequestStream, StopChecker, StreamChunk
 from pipeline.engine.sampling import SEED_LIMIT, EngineBusy, SamplingParams
 from pipeline.engine.spec_step import COUNT, DRAFT_COUNT, DRAFT_TOKENS, SpecStep
@@ -186,6 +188,9 @@ class Scheduler:
         self.lock = threading.Condition()
         self.thread: threading.Thread | None = None
         self.inflight: _Inflight | None = None  # the decode step queued on the device, not read yet
+        # Prompts prefilled last iteration and their first tokens on their way to the host (_read_firsts).
+        self.firsts: tuple[list[Request], Pending] | None = None
+        self.first_readback = Readback()
         self.spec = step if isinstance(step, SpecStep) else None
         self.controller = (
             TierController(self.spec.tiers, dataclasses.replace(config.adaptive, policy=config.speculation))
@@ -252,7 +257,8 @@ class Scheduler:
             with self.lock:
                 self._drop_cancelled()
                 if not self.waiting and not self.running:
-                    self.inflight = None  # only finished rows' steps can be left: nothing to read
+                    # Only finished or cancelled rows' work can be left: nothing to read.
+                    self.inflight, self.firsts = None, None
                     if self.controller is not None:
                         self.controller.idle()
                     self.thread = None  # idle: the next request starts another thread
@@ -267,7 +273,7 @@ class Scheduler:
                         self._iterate()
             except Exception as exc:  # a failed step ends every request in it, loudly; the engine keeps serving
                 with self.lock:
-                    failed, self.running, self.inflight = self.running, [], None
+                    failed, self.running, self.inflight, self.firsts = self.running, [], None, None
                 for request in failed:
                     self._finish(request, exc)
 
@@ -298,16 +304,27 @@ class Scheduler:
         if decoding and self.spec is not None:
             decoding, tier, drafting = self._choose(decoding)
         launched = self._launch(decoding, tier, drafting) if decoding else None
+        firsts: list[tuple[Request, torch.Tensor]] = []  # prompts finished now, with their first token
         if prefilling:  # queued behind the decode step: the device runs them back to back
+            if self.controller is not None:
+                self.controller.prefilled(len(prefilling))
             start = time.perf_counter()
             for r in prefilling:
-                self._prefill_chunk(r)
+                token = self._prefill_chunk(r)
+                if token is not None:
+                    firsts.append((r, token))
             self.prefill_chunks += len(prefilling)
             self.prefill_rounds += 1
             self.prefill_seconds += time.perf_counter() - start
             self.last_read = None  # the steps read next waited for the prefill: not timed
         self._read_inflight()  # the step before: read while the one just launched runs
         self.inflight = launched
+        self._read_firsts()  # the last iteration's prompts' first tokens: they decode from the next step
+        if firsts:
+            pending = self.first_readback.start(torch.cat([t for _, t in firsts]))
+            self.firsts = ([r for r, _ in firsts], pending)
+            if pending.done is None:  # on the host already (CPU): nothing to wait for
+                self._read_firsts()
         if prefilling:
             self.last_read = None
 
@@ -337,14 +354,24 @@ class Scheduler:
             if r.prefilled and (r.out or r.pending) and not r.done and len(r.out) + r.pending < r.params.max_tokens
         ]
 
-    def _prefill_chunk(self, r: Request) -> None:
+    def _prefill_chunk(self, r: Request) -> torch.Tensor | None:
+        """Queue the next chunk of r's prompt -> its first token [1] on the device after the last chunk."""
         start = r.cached
         end = min(len(r.prompt_ids), start + self.config.prefill_chunk)
         r.grow(self.batch.pool, end)
         token = self.batch.prefill(r.prompt_ids[start:end], start, r.ints, r.floats, last=end == len(r.prompt_ids))
         r.cached = end
-        if token is not None:
-            self._emit([r], [token.tolist()])
+        return token
+
+    def _read_firsts(self) -> None:
+        """Emit the first tokens of the prompts prefilled last iteration. They are read an iteration later,
+        behind the decode step queued since, rather than at once: reading at once would leave the device
+        idle while the host prepares the next step, a wait for every iteration with a prompt in it (and
+        prompts arriving one at a time come one an iteration)."""
+        firsts, self.firsts = self.firsts, None
+        if firsts is not None:
+            rows, pending = firsts
+            self._emit(rows, [[t] for t in pending.read()])
 
     def _choose(self, rows: list[Request]) -> tuple[list[Request], int, list[bool]]:
         """The tier of a speculative step for `rows` (the controller's choice) and which rows draft. A bucket's

@@ -199,12 +199,15 @@ class BatchStep:
         key = (bucket, mode)
         if key not in self.prefill_graphs:
             self.prefill_graphs[key] = CapturedStep(lambda: self._prefill(x, self.max_seq_len, mode), self.pool_handle)
-        return self.prefill_graphs[key]()
+        first = self.prefill_graphs[key]()
+        return None if first is None else first.clone()  # the graph's output is the next replay's too
 
     def _fill_prefill(
         self, x: _PrefillBuffers, tokens: list[int], start: int, ints: np.ndarray, floats: np.ndarray
     ) -> None:
         n = len(tokens)
+        if x.copied is not None:  # a prefill still queued may copy out of these host buffers: let it first
+            x.copied.synchronize()
         positions = np.arange(start, start + n)
         table = ints[TABLE:]
         host = x.host.numpy()
@@ -220,6 +223,9 @@ class BatchStep:
         x.ints.copy_(x.host, non_blocking=True)
         x.row.copy_(x.row_host, non_blocking=True)
         x.floats.copy_(x.floats_host, non_blocking=True)
+        if self.capture:
+            x.copied = torch.cuda.Event()
+            x.copied.record()
 
     def _prefill(self, x: _PrefillBuffers, attn_len: int, mode: str) -> torch.Tensor | None:
         hidden, captured = self._prefill_pass(x, attn_len)
@@ -309,3 +315,4 @@ class _PrefillBuffers:
         self.host = torch.zeros(self.ints.shape, dtype=torch.long, pin_memory=pin)
         self.row_host = torch.zeros(row, dtype=torch.long, pin_memory=pin)
         self.floats_host = torch.zeros(2, pin_memory=pin)
+        self.copied: torch.cuda.Event | None = None  # recorded after the last copy out of the host buffers
