@@ -32,6 +32,7 @@ from pipeline.client.client import (
     TritonRequestError,
     _grpc_input,
     _json_inputs,
+    close_stream,
     engine_inputs,
     generate,
     infer_grpc,
@@ -204,8 +205,7 @@ def _cancel_grpc_stream(url: str, model: str, inputs: dict) -> None:
     for _ in range(CHUNKS_BEFORE_CANCEL):
         result, error = responses.get(timeout=60)
         assert error is None, error
-    client.stop_stream(cancel_requests=True)
-    client.close()
+    close_stream(client, cancel=True)
 
 
 def _cancel_http_stream(url: str, model: str, inputs: dict) -> None:
@@ -230,8 +230,14 @@ def test_a_cancelled_stream_frees_the_engine(server, route):
     else:
         inputs = text_inputs(PROMPT, sampling, stream=True)
     cancel = _cancel_grpc_stream if protocol == "grpc" else _cancel_http_stream
+    ours = threading.active_count()
     cancel(server.grpc_url if protocol == "grpc" else server.http_url, model, inputs)
     assert _latency(server) < baseline * SLOWDOWN_ALLOWED + SLACK_S
+    # Nor in the client (the OpenAI front cancels this way when its client goes away).
+    deadline = time.monotonic() + THREADS_S
+    while threading.active_count() > ours:
+        assert time.monotonic() < deadline, f"{threading.enumerate()}: the cancelled stream left a thread"
+        time.sleep(0.1)
     # Nothing of the cancelled request stays behind in the model's stub (a worker waiting for a response
     # Triton never delivers grew the BLS stub by megabytes a minute under a stream of cancels).
     deadline = time.monotonic() + THREADS_S

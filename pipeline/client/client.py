@@ -203,9 +203,13 @@ def infer_grpc(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s: f
 
 
 def close_stream(client: grpcclient.InferenceServerClient, cancel: bool) -> None:
-    """End a gRPC stream and its client. A finished stream is closed, not cancelled: tritonclient's cancel
-    leaves gRPC's request thread waiting on the stream's request queue for good (a thread a request)."""
+    """End a gRPC stream and its client; `cancel`: its requests too. tritonclient's cancel (2.51) does not
+    end the stream's request queue, so gRPC's thread feeding requests from it would wait there for good, a
+    thread a cancelled stream (in the OpenAI front, one a client that went away): the queue is ended here."""
+    stream = getattr(client, "_stream", None)
     client.stop_stream(cancel_requests=cancel)
+    if cancel and stream is not None:
+        stream._request_queue.put(None)  # the end of the requests: gRPC's feeding thread returns
     client.close()
 
 
