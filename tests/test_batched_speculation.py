@@ -444,3 +444,29 @@ def test_a_modes_rate_weighs_its_windows_by_their_time():
         (True, 3.0, 2),
         (False, 0.5, 0),
     ]
+
+
+def test_the_load_bench_interleaves_controller_variants_over_spread_lengths(built, tmp_path):
+    """`load --adaptive A --adaptive B` runs each level under both controllers in turn, with each level's
+    windows in its rows; `--length-spread` gives request i the seeded length its LevelSize names, so that
+    requests started together do not all end together."""
+    from pipeline.bench import load
+
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]))
+    out = tmp_path / "out"
+    argv = ["--engine", str(built["eagle"]), "--prompt-ids", str(ids), "--concurrency", "1,2", "--max-tokens", "12"]
+    argv += ["--requests-per-client", "2", "--length-spread", "0.5", "--label", "variants", "--output", str(out)]
+    assert load.main([*argv, "--adaptive", "base", "--adaptive", "window_margin=0"]) == 0
+    results = json.loads(next(out.glob("*.json")).read_text())["results"]
+    size = load.LevelSize(2, load.MIN_REQUESTS, 0.5)
+    lengths = [size.max_tokens(i, 12) for i in range(size.total(2))]
+    assert len(set(lengths)) > 1 and all(6 <= n <= 18 for n in lengths)
+    assert sorted(results) == ["in-process T=0 base", "in-process T=0 window_margin=0"]
+    for rows in results.values():
+        assert [r["concurrency"] for r in rows] == [1, 2]
+        for r in rows:
+            n = size.total(r["concurrency"])
+            assert r["requests"] == n and not r["errors"]
+            assert r["output_tokens"] == sum(lengths[:n])
+            assert "windows" in r["controller"]

@@ -5,8 +5,9 @@
 
 At each concurrency C, C clients each send their next request as soon as the previous one ends (closed
 loop, MT-bench first turns with the chat template, the end id ignored so every reply has max_tokens
-tokens) until max(R * C, --min-requests) requests have finished, R = --requests-per-client (8: a level's
-start and end, when fewer than C requests run, are a small share of it). Reported per level: output
+tokens, or with --length-spread a seeded length around it) until max(R * C, --min-requests) requests have
+finished, R = --requests-per-client (8: a level's start and end, when fewer than C requests run, are a small
+share of it). Reported per level: output
 tokens/s over the level's wall time, time to first token and inter-token latency (p50, p99: each gap
 between streamed chunks shared by the tokens it brought), and peak GPU memory. In-process the clients stream from
 `Engine.stream`; with --triton also through the bundled tritonserver (gRPC streaming to the engine
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import random
 import statistics
 import tempfile
 import threading
@@ -125,13 +127,21 @@ def triton_client(url: str) -> Client:
 
 @dataclass(frozen=True)
 class LevelSize:
-    """Requests a level sends: per_client for each client, at least minimum."""
+    """Requests a level sends: per_client for each client, at least minimum; request i's max_tokens is the
+    level's times 1 + length_spread * u_i, u_i uniform in [-1, 1] and seeded by i (0: every reply alike, so
+    requests started together end together, and their successors' prompts arrive together)."""
 
     per_client: int = REQUESTS_PER_CLIENT
     minimum: int = MIN_REQUESTS
+    length_spread: float = 0.0
 
     def total(self, concurrency: int) -> int:
         return max(self.per_client * concurrency, self.minimum)
+
+    def max_tokens(self, i: int, max_tokens: int) -> int:
+        if not self.length_spread:
+            return max_tokens
+        return max(1, round(max_tokens * (1 + self.length_spread * random.Random(SEED + i).uniform(-1, 1))))
 
 
 def run_level(
@@ -149,9 +159,12 @@ def run_level(
                 if not queue:
                     return
                 i = queue.pop(0)
-            seeded = SamplingParams(**{**params.__dict__, "seed": SEED + i}) if params.temperature else params
+            seed = SEED + i if params.temperature else params.seed
+            request = SamplingParams(
+                **{**params.__dict__, "seed": seed, "max_tokens": size.max_tokens(i, params.max_tokens)}
+            )
             try:
-                timing = client(prompts[i % len(prompts)], seeded)
+                timing = client(prompts[i % len(prompts)], request)
             except Exception as exc:  # noqa: BLE001 - counted and reported, the sweep goes on
                 with lock:
                     errors.append(f"{type(exc).__name__}: {exc}")
@@ -423,6 +436,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperatures", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.0,))
     p.add_argument("--min-requests", type=int, default=MIN_REQUESTS)
     p.add_argument("--requests-per-client", type=int, default=REQUESTS_PER_CLIENT)
+    p.add_argument(
+        "--length-spread",
+        type=float,
+        default=0.0,
+        help="F in [0, 1): each request's max_tokens drawn from max_tokens * [1 - F, 1 + F], seeded by its index "
+        "(0: all alike, and requests that start together end together)",
+    )
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument(
         "--prompt-ids",
@@ -480,7 +500,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     print(f"{label} on {args.device}: capacity {engine.capacity}", flush=True)
     results: dict[str, list[dict[str, Any]]] = {}
-    size = LevelSize(args.requests_per_client, args.min_requests)
+    if not 0 <= args.length_spread < 1:
+        raise SystemExit(f"--length-spread {args.length_spread}: use a fraction in [0, 1)")
+    size = LevelSize(args.requests_per_client, args.min_requests, args.length_spread)
     for temperature in args.temperatures:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, end_id=IGNORE_END)
         if args.adaptive and (len(args.adaptive) > 1 or args.rounds > 1):
@@ -511,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
             "label": label,
             "device": args.device,
             "max_tokens": args.max_tokens,
+            "length_spread": args.length_spread,
             "capacity": engine.capacity,
             "tuning": format_variant(args.tuning) if args.tuning is not None else "base",
             "invariant": args.invariant,
