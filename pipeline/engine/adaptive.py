@@ -8,8 +8,9 @@ unmeasured). Prefills stay in: a mode that emits faster finishes requests, and s
 a prefill waits for the longer step a drafting window queued before it. A bucket's first windows run plain,
 unmeasured: load ramping into a bucket brings a burst of prompts, which would charge the first measured mode
 for them. Then the modes take turns until each has been measured a few times; from there a bucket runs the
-mode whose windows delivered more (drafting's rate taken a margin lower: at large batches its windows read
-higher than what drafting delivers), and the other one window in so many: every other window while the two
+mode whose windows delivered more (drafting's rate taken a margin lower: part of drafting's cost falls in
+later windows, since requests it ends out of step bring their successors' prompts one at a time), and the
+other one window in so many: every other window while the two
 are within the loss allowed, rarely while the loser is far behind or its windows take longer (a drafting
 window at a large batch can take several plain ones' time), so that exploring costs at most a set share of
 the bucket's speed.
@@ -77,8 +78,8 @@ class AdaptiveConfig:
     window_explore: int = 2
     window_weight: float = 0.3
     window_loss: float = 0.01
-    # Drafting windows' rates are compared after division by 1 + window_margin: at large batches they read
-    # higher, against plain's, than what drafting delivers over a run (BENCHMARKS §4).
+    # Drafting windows' rates are compared after division by 1 + window_margin: part of drafting's cost falls
+    # outside its windows (BENCHMARKS §4).
     window_margin: float = 0.1
 
 
