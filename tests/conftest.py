@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pipeline.builder.build import BuildOptions, build_engine
+from pipeline.client import client
 from pipeline.convert.convert import DraftInputs, convert
 from pipeline.convert.source import TargetSource, load_hf_model, load_target
 from pipeline.convert.tiny import make_tiny_model
@@ -71,6 +73,18 @@ def stream_by_run_ahead(
 
 def _str(p: str | Path | None) -> str | None:
     return None if p is None else str(p)
+
+
+# The clients' wait for a response in tests: a request that Triton 2.51 never answers (its BLS stub died under
+# it; upstream server#8882) fails its test in minutes rather than the 10 a user's client waits.
+TEST_REQUEST_TIMEOUT_S = 180.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _request_timeout() -> Iterator[None]:
+    saved, client.REQUEST_TIMEOUT_S = client.REQUEST_TIMEOUT_S, TEST_REQUEST_TIMEOUT_S
+    yield
+    client.REQUEST_TIMEOUT_S = saved
 
 
 @pytest.fixture(scope="session")

@@ -176,8 +176,10 @@ def _grpc_outputs(result: grpcclient.InferResult) -> dict[str, Any]:
     return outputs
 
 
-def infer_grpc(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = REQUEST_TIMEOUT_S) -> Reply:
-    """One request over gRPC's streaming API; returns when the final response arrives."""
+def infer_grpc(url: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float | None = None) -> Reply:
+    """One request over gRPC's streaming API; returns when the final response arrives (a wait for a response
+    longer than timeout_s, default REQUEST_TIMEOUT_S, is an error)."""
+    timeout_s = REQUEST_TIMEOUT_S if timeout_s is None else timeout_s
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     finished = False
@@ -231,9 +233,10 @@ def _sse_events(reply: requests.Response) -> Iterable[dict[str, Any]]:
 
 
 def infer_http(
-    url: str, model: str, inputs: dict[str, np.ndarray], stream: bool, timeout_s: float = REQUEST_TIMEOUT_S
+    url: str, model: str, inputs: dict[str, np.ndarray], stream: bool, timeout_s: float | None = None
 ) -> Reply:
     """One request through Triton's generate extension (`generate`, or `generate_stream` as SSE)."""
+    timeout_s = REQUEST_TIMEOUT_S if timeout_s is None else timeout_s
     endpoint = f"http://{url}/v2/models/{model}/{'generate_stream' if stream else 'generate'}"
     acc = _Accumulator()
     with requests.post(endpoint, json=_json_inputs(inputs), stream=stream, timeout=timeout_s) as reply:
