@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -470,3 +471,28 @@ def test_the_load_bench_interleaves_controller_variants_over_spread_lengths(buil
             assert r["requests"] == n and not r["errors"]
             assert r["output_tokens"] == sum(lengths[:n])
             assert "windows" in r["controller"]
+
+
+def test_the_load_bench_sends_poisson_arrivals_with_at_most_c_in_flight():
+    """With a request rate, requests arrive at seeded exponential gaps (the level lasts at least their sum)
+    and no more than the level's concurrency run at once, later arrivals waiting for a slot."""
+    from pipeline.bench import load
+
+    flight, most, lock = [0], [0], threading.Lock()
+
+    def client(ids: list[int], params: SamplingParams) -> load.Timing:
+        with lock:
+            flight[0] += 1
+            most[0] = max(most[0], flight[0])
+        time.sleep(0.05)
+        with lock:
+            flight[0] -= 1
+        return load.Timing(0.0, [0.0] * (params.max_tokens - 1), 0.05, params.max_tokens)
+
+    for rate in (1000.0, 20.0):  # arrivals faster than requests end, then about as fast
+        size = load.LevelSize(per_client=4, request_rate=rate)
+        most[0] = 0
+        row = load.run_level(client, [[1, 2]], 2, SamplingParams(max_tokens=4, end_id=-1), size)
+        assert row["requests"] == 8 and row["request_rate"] == rate and not row["errors"]
+        assert row["seconds"] >= sum(size.gaps(8))
+        assert most[0] == 2 if rate == 1000.0 else most[0] <= 2  # the slots fill and are never passed

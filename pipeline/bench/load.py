@@ -4,15 +4,16 @@
     python -m pipeline.bench.load --shape smollm2|llama3-8b --device cuda   # random weights, ids only
 
 At each concurrency C, C clients each send their next request as soon as the previous one ends (closed
-loop, MT-bench first turns with the chat template, the end id ignored so every reply has max_tokens
-tokens, or with --length-spread a seeded length around it) until max(R * C, --min-requests) requests have
-finished, R = --requests-per-client (8: a level's start and end, when fewer than C requests run, are a small
-share of it). Reported per level: output
-tokens/s over the level's wall time, time to first token and inter-token latency (p50, p99: each gap
-between streamed chunks shared by the tokens it brought), and peak GPU memory. In-process the clients stream from
-`Engine.stream`; with --triton also through the bundled tritonserver (gRPC streaming to the engine
-model, token ids in and out). --shape builds a plain engine of random weights in that model's shape
-(output speed does not depend on the weights at a fixed length): the prompts keep their token counts.
+loop; with --request-rate R requests arrive as a Poisson process of R a second instead, at most C in
+flight), MT-bench first turns with the chat template, the end id ignored so every reply has max_tokens tokens
+(or with --length-spread a seeded length around it), until max(N * C, --min-requests) requests have
+finished, N = --requests-per-client (8: a level's start and end, when fewer than C requests run, are a small
+share of it). Reported per level: output tokens/s over the level's wall time, time to first token and
+inter-token latency (p50, p99: each gap between streamed chunks shared by the tokens it brought), and peak
+GPU memory. In-process the clients stream from `Engine.stream`; with --triton also through the bundled
+tritonserver (gRPC streaming to the engine model, token ids in and out). --shape builds a plain engine of
+random weights in that model's shape (output speed does not depend on the weights at a fixed length): the
+prompts keep their token counts.
 Writes <output>/load-<label>-<device>-<date>.json and a PNG of throughput and TTFT against concurrency.
 """
 
@@ -134,6 +135,9 @@ class LevelSize:
     per_client: int = REQUESTS_PER_CLIENT
     minimum: int = MIN_REQUESTS
     length_spread: float = 0.0
+    # None: closed loop (each client sends its next request when the last ends); R: requests arrive as a
+    # Poisson process of R a second (seeded), at most the level's concurrency in flight, later ones waiting.
+    request_rate: float | None = None
 
     def total(self, concurrency: int) -> int:
         return max(self.per_client * concurrency, self.minimum)
@@ -142,6 +146,12 @@ class LevelSize:
         if not self.length_spread:
             return max_tokens
         return max(1, round(max_tokens * (1 + self.length_spread * random.Random(SEED + i).uniform(-1, 1))))
+
+    def gaps(self, total: int) -> list[float]:
+        """Seconds before each request's arrival after the one before (the first arrives at once)."""
+        assert self.request_rate is not None
+        draw = random.Random(SEED)
+        return [0.0] + [draw.expovariate(self.request_rate) for _ in range(total - 1)]
 
 
 def run_level(
@@ -153,31 +163,50 @@ def run_level(
     timings: list[Timing] = []
     errors: list[str] = []
 
+    def send(i: int) -> None:
+        seed = SEED + i if params.temperature else params.seed
+        request = SamplingParams(
+            **{**params.__dict__, "seed": seed, "max_tokens": size.max_tokens(i, params.max_tokens)}
+        )
+        try:
+            timing = client(prompts[i % len(prompts)], request)
+        except Exception as exc:  # noqa: BLE001 - counted and reported, the sweep goes on
+            with lock:
+                errors.append(f"{type(exc).__name__}: {exc}")
+            return
+        with lock:
+            timings.append(timing)
+
     def worker() -> None:
         while True:
             with lock:
                 if not queue:
                     return
                 i = queue.pop(0)
-            seed = SEED + i if params.temperature else params.seed
-            request = SamplingParams(
-                **{**params.__dict__, "seed": seed, "max_tokens": size.max_tokens(i, params.max_tokens)}
-            )
-            try:
-                timing = client(prompts[i % len(prompts)], request)
-            except Exception as exc:  # noqa: BLE001 - counted and reported, the sweep goes on
-                with lock:
-                    errors.append(f"{type(exc).__name__}: {exc}")
-                continue
-            with lock:
-                timings.append(timing)
+            send(i)
+
+    slots = threading.Semaphore(concurrency)
+
+    def arriving(i: int) -> None:
+        try:
+            send(i)
+        finally:
+            slots.release()
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
+    if size.request_rate is None:
+        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+    else:  # each request at its arrival, once one of the `concurrency` slots is free
+        threads = []
+        for i, gap in enumerate(size.gaps(total)):
+            time.sleep(gap)
+            slots.acquire()
+            threads.append(threading.Thread(target=arriving, args=(i,)))
+            threads[-1].start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
@@ -186,6 +215,7 @@ def run_level(
     itl = [g * 1e3 for t in timings for g in t.gaps_s]
     out: dict[str, Any] = {
         "concurrency": concurrency,
+        "request_rate": size.request_rate,
         "requests": len(timings),
         "errors": errors,
         "output_tokens": tokens,
@@ -443,6 +473,13 @@ def main(argv: list[str] | None = None) -> int:
         help="F in [0, 1): each request's max_tokens drawn from max_tokens * [1 - F, 1 + F], seeded by its index "
         "(0: all alike, and requests that start together end together)",
     )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="requests a second arriving as a Poisson process (seeded), at most the level's concurrency in flight "
+        "(default: closed loop, each client sending its next request when the last ends)",
+    )
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument(
         "--prompt-ids",
@@ -502,7 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict[str, Any]]] = {}
     if not 0 <= args.length_spread < 1:
         raise SystemExit(f"--length-spread {args.length_spread}: use a fraction in [0, 1)")
-    size = LevelSize(args.requests_per_client, args.min_requests, args.length_spread)
+    if args.request_rate is not None and args.request_rate <= 0:
+        raise SystemExit(f"--request-rate {args.request_rate}: use requests a second > 0")
+    size = LevelSize(args.requests_per_client, args.min_requests, args.length_spread, args.request_rate)
     for temperature in args.temperatures:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, end_id=IGNORE_END)
         if args.adaptive and (len(args.adaptive) > 1 or args.rounds > 1):
@@ -534,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": args.device,
             "max_tokens": args.max_tokens,
             "length_spread": args.length_spread,
+            "request_rate": args.request_rate,
             "capacity": engine.capacity,
             "tuning": format_variant(args.tuning) if args.tuning is not None else "base",
             "invariant": args.invariant,
