@@ -414,11 +414,11 @@ def test_drafting_leads_a_bucket_only_past_the_margin():
     explored one window in 1 + ceil(3.5) = 5 (4.5 % short after the margin); 20 % more leads."""
     tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
     controller = TierController(tiers, AdaptiveConfig(window_margin=0.1))
-    controller.delivered = {(4, True): 105.0, (4, False): 100.0}
+    controller.window_tokens = {(4, True): 105.0, (4, False): 100.0}  # in windows of 1 s each
     controller.window_seconds = {(4, True): 1.0, (4, False): 1.0}
     assert controller.rate(4, True) < controller.rate(4, False)
     assert controller.explore_interval(4, False) == 5
-    controller.delivered[(4, True)] = 120.0
+    controller.window_tokens[(4, True)] = 120.0
     assert controller.rate(4, True) > controller.rate(4, False)
 
 

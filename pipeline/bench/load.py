@@ -381,8 +381,6 @@ def controller_sweeps(
     for r in range(rounds):
         controllers = {}
         for text, config in variants:
-            if config.policy == AdaptiveConfig.policy:  # not set by the variant: --speculation's
-                config = replace(config, policy=loaded.config.policy)
             c = TierController(scheduler.spec.tiers, config)
             c.plain_cost = dict(loaded.plain_cost)
             c.ratio = {b: list(ratio) for b, ratio in loaded.ratio.items()}
@@ -402,8 +400,8 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
     serving = SchedulerConfig(
         max_batch_size=args.max_batch_size,
         batched=not args.single_stream,
-        speculation=args.speculation,
-        adaptive=args.adaptive[0][1] if args.adaptive else AdaptiveConfig(),
+        speculation=args.adaptive[0][1].policy,
+        adaptive=args.adaptive[0][1],
         invariant=args.invariant,
         stream_interval=args.stream_interval,
     )
@@ -521,6 +519,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine is not None and not (args.engine / "config.json").is_file():
         raise SystemExit(f"--engine {args.engine}: no config.json; build one with `make build-engines`")
     levels = args.concurrency or (CUDA_LEVELS if args.device.startswith("cuda") else CPU_LEVELS)
+    # Each variant's policy: its own if it sets one, else --speculation's.
+    args.adaptive = [
+        (text, c if c.policy != AdaptiveConfig.policy else replace(c, policy=args.speculation))
+        for text, c in args.adaptive or [(BASE, AdaptiveConfig())]
+    ]
     engine, label, tokenizer = load_engine(args)
     label = (args.label or label) + ("-invariant" if args.invariant else "")
     if tokenizer is None or args.prompt_ids is not None:
@@ -544,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     size = LevelSize(args.requests_per_client, args.min_requests, args.length_spread, args.request_rate)
     for temperature in args.temperatures:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, end_id=IGNORE_END)
-        if args.adaptive and (len(args.adaptive) > 1 or args.rounds > 1):
+        if len(args.adaptive) > 1 or args.rounds > 1:
             if engine.scheduler.controller is None:
                 raise SystemExit("several --adaptive variants need a speculative engine")
             results.update(controller_sweeps(engine, prompts, levels, params, size, args.adaptive, args.rounds))

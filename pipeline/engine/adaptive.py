@@ -118,9 +118,9 @@ class TierController:
     realized: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, tier) -> tokens a row a second
     window: Window | None = None  # the window the steps run in
     opened: dict[int, int] = field(default_factory=dict)  # bucket -> windows opened
-    delivered: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, drafting) -> tokens a second
-    window_seconds: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, drafting) -> seconds
-    window_tokens: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, drafting) -> tokens
+    # (bucket, drafting) -> the mean seconds and tokens of that mode's windows there
+    window_seconds: dict[tuple[int, bool], float] = field(default_factory=dict)
+    window_tokens: dict[tuple[int, bool], float] = field(default_factory=dict)
     measured: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, drafting) -> windows closed
     history: deque[Window] = field(default_factory=lambda: deque(maxlen=HISTORY_WINDOWS))  # the last closed
     closed: int = 0  # windows closed in all
@@ -136,6 +136,12 @@ class TierController:
             raise ValueError(
                 f"--speculation {self.config.policy!r}: use {', '.join(POLICIES)}, or a tier: {', '.join(self.names)}"
             )
+
+    @property
+    def delivered(self) -> dict[tuple[int, bool], float]:
+        """(bucket, drafting) -> tokens a second: the mode's windows' mean tokens over their mean seconds (a
+        window that a burst of prefills stretched weighs by its time, as in a run)."""
+        return {key: tokens / self.window_seconds[key] for key, tokens in self.window_tokens.items()}
 
     @property
     def names(self) -> list[str]:
@@ -237,7 +243,8 @@ class TierController:
 
     def rate(self, bucket: int, drafting: bool) -> float:
         """A mode's windows' tokens a second in `bucket` as compared (drafting's less the margin)."""
-        rate = self.delivered[(bucket, drafting)]
+        key = (bucket, drafting)
+        rate = self.window_tokens[key] / self.window_seconds[key]
         return rate / (1.0 + self.config.window_margin) if drafting else rate
 
     def explore_interval(self, bucket: int, better: bool) -> int:
@@ -259,8 +266,7 @@ class TierController:
     def emitted(self, bucket: int, tokens: int) -> None:
         """A step of `bucket` was read with `tokens` new tokens: counted in its window, which closes after
         window_steps steps with its tokens and wall time since it opened; a mode's first window_samples
-        windows are averaged, later ones move the means by window_weight. Its rate is the mean tokens over
-        the mean seconds: a window that a burst of prefills stretched weighs by its time, as in a run."""
+        windows are averaged, later ones move the means by window_weight (its rate: `delivered`)."""
         window = self.window
         if window is None or window.bucket != bucket:
             return
@@ -279,7 +285,6 @@ class TierController:
         w = max(self.config.window_weight, 1.0 / count)
         self.window_seconds[key] = moved(self.window_seconds.get(key), seconds, w)
         self.window_tokens[key] = moved(self.window_tokens.get(key), window.tokens, w)
-        self.delivered[key] = self.window_tokens[key] / self.window_seconds[key]
 
     def timed_plain(self, bucket: int, seconds: float | None) -> None:
         """A plain step of `bucket` was read `seconds` after the step before it (None: not measured). Right
