@@ -41,6 +41,9 @@ def test_default_tree_shape_and_triton_form():
     assert choices_to_triton([[0], [0, 1]]) == "{0}, {0, 1}"
     assert parse_choices("{0}, {0, 1}") == [[0], [0, 1]]
     assert parse_choices("chain:3") == [[0], [0, 0], [0, 0, 0]]
+    # A literal longer than a file name may be (the whole default tree) is read as a literal.
+    assert parse_choices(str(MC_SIM_7B_63)) == MC_SIM_7B_63
+    assert parse_choices(choices_to_triton(MC_SIM_7B_63)) == MC_SIM_7B_63
 
 
 @pytest.mark.parametrize(

@@ -342,6 +342,13 @@ def test_tree_from_ranks_keeps_the_most_accepted_paths():
     paths = [list(p) for d in (1, 2, 3) for p in itertools.product(range(3), repeat=d)]
     closed = [t for t in itertools.combinations(paths, 5) if all(p[:-1] in t or len(p) == 1 for p in t)]
     assert expected == pytest.approx(max(expected_acceptance(ranks, list(t)) for t in closed))
+    # One non-leaf a depth (TensorRT-LLM's max_non_leaves_per_layer): the best such tree, a single spine.
+    bounded, bounded_expected = tree_from_ranks(ranks, 5, 3, max_non_leaves=1)
+    validate_choices(bounded)
+    assert len(bounded) == 5 and len({tuple(p[:-1]) for p in bounded if len(p) == 2}) <= 1
+    spines = [t for t in closed if len({tuple(p[:-1]) for p in t if len(p) == 2}) <= 1]
+    assert bounded_expected == pytest.approx(max(expected_acceptance(ranks, list(t)) for t in spines))
+    assert bounded_expected < expected
 
 
 @pytest.mark.parametrize("case", ["eagle-dynamic", "eagle3-dynamic", "medusa-mc_sim_7b_63", "medusa-dynamic"])

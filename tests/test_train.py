@@ -379,7 +379,7 @@ def test_run_flags_are_validated(flags, tmp_path, capsys):
 def test_medusa_tree_fits_the_trained_heads(trained, tiny_target):
     """Each head's rank of the target's token, capped at max_rank, gives a valid tree no deeper than the heads."""
     from pipeline.engine.tree import tree_from_ranks, validate_choices
-    from pipeline.train.medusa_tree import head_ranks, load_heads
+    from pipeline.train.tree_fit import head_ranks, load_heads
 
     _, out = trained
     heads = load_heads(out / FOLDERS["medusa"], "cpu")
@@ -392,12 +392,37 @@ def test_medusa_tree_fits_the_trained_heads(trained, tiny_target):
     assert expected >= 1.0
 
 
+def test_eagle_tree_ranks_are_the_unrolled_chains(trained, tiny_target):
+    """Rank 0 at depth d is exactly where the unrolled chain's top-1 hits (what training's held-out chain
+    measures), and the tree fitted to the ranks keeps the chain's top-1 spine."""
+    from pipeline.engine.tree import tree_from_ranks
+    from pipeline.train.eagle import eagle_depth_hits
+    from pipeline.train.tree_fit import eagle_ranks, load_eagle
+
+    _, out = trained
+    draft = load_eagle(out / FOLDERS["eagle"], tiny_target)
+    data = DistillSet.load_tokens(out / TOKENS_FILE, PAD)
+    depth, max_rank = 3, 4
+    ranks = eagle_ranks(tiny_target, draft, data, depth, max_rank)
+    batch = data.subset(torch.arange(len(data.lengths)))
+    batch.features = extract_features(tiny_target, batch.tokens, ())[0]
+    correct, valid = eagle_depth_hits(draft, FrozenHead.of(tiny_target), batch, depth)
+    assert torch.equal(ranks == 0, correct[valid])
+    choices, _ = tree_from_ranks(ranks, 6, max_rank)
+    assert [0] in choices
+
+
 @pytest.mark.parametrize(
     "flags,message",
-    [(["--heads", "/no/such/heads"], "config.json"), (["--num-paths", "0"], "--num-paths and --max-rank")],
+    [
+        (["--draft", "medusa:/no/such/heads"], "config.json"),
+        (["--draft", "eagle:/no/such/draft"], "config.json"),
+        (["--draft", "draft:drafts/smollm2-draft"], "medusa:FOLDER or eagle:FOLDER"),
+        (["--num-paths", "0"], "--num-paths, --max-rank and --depth"),
+    ],
 )
-def test_medusa_tree_flags_are_validated(flags, message, tmp_path, capsys):
-    argv = ["train", "medusa-tree", "--output", str(tmp_path / "choices.json"), *flags]
+def test_tree_flags_are_validated(flags, message, tmp_path, capsys):
+    argv = ["train", "tree", "--output", str(tmp_path / "choices.json"), *flags]
     assert specpipe_main(argv) == USER_ERROR_EXIT_CODE
     assert message in capsys.readouterr().err and not (tmp_path / "choices.json").exists()
 

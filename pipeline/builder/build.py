@@ -169,7 +169,8 @@ def spec_from_checkpoint(config: dict[str, Any], ckpt_dir: Path, opts: BuildOpti
         if opts.dynamic_tree:
             width = opts.max_non_leaves_per_layer or DynamicTreeConfig.max_non_leaves_per_layer
             tree = _dynamic_tree(opts, heads, width, "num_medusa_heads")
-            return SpecConfig("medusa", draft_len, dynamic_tree=tree, num_medusa_heads=heads, acceptance=acceptance)
+            choices = _tree_choices(opts, heads, draft_len, None) if opts.choices else None
+            return SpecConfig("medusa", draft_len, choices, tree, num_medusa_heads=heads, acceptance=acceptance)
         return SpecConfig(
             "medusa",
             draft_len,
@@ -183,7 +184,9 @@ def spec_from_checkpoint(config: dict[str, Any], ckpt_dir: Path, opts: BuildOpti
         max_non_leaves = opts.max_non_leaves_per_layer or config.get("max_non_leaves_per_layer")
         if opts.dynamic_tree:
             tree = _dynamic_tree(opts, depth, max_non_leaves or DynamicTreeConfig.max_non_leaves_per_layer)
-            return SpecConfig(kind, draft_len, dynamic_tree=tree, acceptance=acceptance)
+            # With --choices: the static tree batched steps cut their tiers from (else the default one).
+            choices = _tree_choices(opts, depth, draft_len, max_non_leaves) if opts.choices else None
+            return SpecConfig(kind, draft_len, choices, tree, acceptance=acceptance)
         return SpecConfig(kind, draft_len, _tree_choices(opts, depth, draft_len, max_non_leaves), acceptance=acceptance)
     if kind == "draft_model":
         draft_len = opts.max_draft_len or DEFAULT_CHAIN_DRAFT_LEN
@@ -203,9 +206,17 @@ def tree_summary(spec: SpecConfig, opts: BuildOptions) -> str | None:
     """One line naming the draft tree an engine verifies, its depth and node count; None without one."""
     if spec.dynamic_tree is not None:
         tree = spec.dynamic_tree
-        return f"tree: dynamic (EAGLE-2), top-k {tree.top_k}, depth {tree.depth}, up to {spec.max_draft_len} nodes"
+        line = f"tree: dynamic (EAGLE-2), top-k {tree.top_k}, depth {tree.depth}, up to {spec.max_draft_len} nodes"
+        if not spec.choices:
+            return line
+        return f"{line}; batched steps' {_static_summary(spec, opts)}"
     if not spec.choices:
         return None
+    return f"tree: {_static_summary(spec, opts)}"
+
+
+def _static_summary(spec: SpecConfig, opts: BuildOptions) -> str:
+    assert spec.choices
     depth, nodes = max(len(p) for p in spec.choices), len(spec.choices)
     if spec.mode in ("draft_model", "ngram"):
         name = "chain"
@@ -216,7 +227,7 @@ def tree_summary(spec: SpecConfig, opts: BuildOptions) -> str | None:
     else:
         literal = opts.choices.lstrip().startswith(("[", "{"))
         name = "--choices list" if literal else opts.choices  # a preset, chain:N or a file
-    return f"tree: {name}, depth {depth}, {nodes} nodes"
+    return f"{name}, depth {depth}, {nodes} nodes"
 
 
 def plugin_config(dtype: str) -> dict[str, Any]:

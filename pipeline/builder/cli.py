@@ -30,7 +30,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-draft-len", type=int, help="draft tokens per step (default: checkpoint's, or 4 for a draft model)"
     )
-    p.add_argument("--choices", help="tree: preset (mc_sim_7b_63, top16, ...), chain:N, a literal list or a file")
+    p.add_argument(
+        "--choices",
+        help="tree: preset (mc_sim_7b_63, top16, ...), chain:N, a literal list or a file; with --dynamic-tree the "
+        "static tree batched steps cut their tiers from",
+    )
     p.add_argument(
         "--dynamic-tree",
         action="store_true",

@@ -140,13 +140,15 @@ def batched_proposer(
     spec: SpecConfig, proposer: Proposer | None, device: torch.device, dtype: torch.dtype
 ) -> RowsFactory | None:
     """The batched form of a speculative engine's proposer (None: it has none, or the engine is plain).
-    Its tiers: chains up to the proposer's depth, then trees of the engine's choices (a dynamic tree's
-    engine: the default tree's) as deep as that."""
+    Its tiers: chains up to the proposer's depth, then trees of the engine's choices as deep as that. A
+    dynamic tree's engine cuts them from the static tree it was built with (`build --choices`: as deep as
+    that tree), else from the default tree at the dynamic depth."""
     choices = spec.choices or MC_SIM_7B_63
     if spec.acceptance == "typical":  # Medusa's typical acceptance (not lossless) runs in the serial loop only
         return None
     if isinstance(proposer, EagleProposer):
-        net, depth = proposer.net, proposer.depth
+        net = proposer.net
+        depth = max(len(p) for p in spec.choices) if spec.choices else proposer.depth
 
         def eagle_rows(blocks: int, block_size: int, states: int, max_nodes: int) -> BatchProposer:
             cfg = net.cfg

