@@ -221,9 +221,11 @@ class OracleNet(torch.nn.Module):
         return torch.log_softmax(self.logits(hidden), dim=-1).topk(k, dim=-1)
 
 
-@pytest.mark.parametrize("tier", ["chain4", "tree16"])
-def test_oracle_eagle_accepts_full_depth_for_every_request_of_a_batch(tier, built, plain):
-    engine = Engine.from_dir(built["eagle"], serving=SchedulerConfig(speculation=tier))
+@pytest.mark.parametrize("case,tier", [("eagle", "chain4"), ("eagle", "tree16"), ("eagle3-dynamic", "dynamic11")])
+def test_oracle_eagle_accepts_full_depth_for_every_request_of_a_batch(case, tier, built, plain):
+    """Each row's tree holds the oracle's path to full depth (a dynamic tier's: each row's own, picked by its
+    draft scores), so every step accepts depth + 1 tokens for every request of the batch."""
+    engine = Engine.from_dir(built[case], serving=SchedulerConfig(speculation=tier))
     spec = engine.scheduler.spec
     assert spec is not None
     depth = spec.tiers[engine.scheduler.controller.names.index(tier)].depth

@@ -227,8 +227,8 @@ def test_eagle_engines_static_and_dynamic(target, tmp_path: Path, capsys: pytest
         dynamic.spec.choices is None and dynamic.spec.dynamic_tree.top_k == 4 and dynamic.spec.dynamic_tree.depth == 4
     )
     assert dynamic.spec.dynamic_tree.max_non_leaves_per_layer == 10
-    # --choices beside --dynamic-tree: the tree batched steps cut their tiers from, as deep as it (else
-    # mc_sim_7b_63's at the dynamic depth, 4).
+    # --choices beside --dynamic-tree: the tree batched steps cut their static tiers from, as deep as it (else
+    # mc_sim_7b_63's at the dynamic depth, 4); EAGLE-2's own trees stay the largest tier.
     capsys.readouterr()
     fitted = [[1], [0], [1, 0], [0, 0], [2]]
     argv = ["build", "--checkpoint", str(ckpt), "--output", str(tmp_path / "fit"), "--dynamic-tree"]
@@ -236,7 +236,7 @@ def test_eagle_engines_static_and_dynamic(target, tmp_path: Path, capsys: pytest
     assert "; batched steps' --choices list, depth 2, 5 nodes" in capsys.readouterr().out
     both = Engine.from_dir(tmp_path / "fit", serving=SchedulerConfig())
     assert both.spec.dynamic_tree is not None and both.spec.choices == fitted
-    assert both.scheduler.controller.names == ["plain", "chain1", "chain2", "tree6"]
+    assert both.scheduler.controller.names == ["plain", "chain1", "chain2", "tree6", "dynamic64"]
     with pytest.raises(UserError, match="exceeds num_eagle_layers 4"):
         build_engine(ckpt, tmp_path / "bad", opts=BuildOptions(dynamic_tree=True, dynamic_depth=6))
     with pytest.raises(UserError, match="non-leaf nodes at depth 1 exceed max_non_leaves_per_layer 3"):

@@ -36,9 +36,9 @@ from pipeline.engine.model import (
     make_context,
     paged_context,
 )
-from pipeline.engine.spec_step import Chunk, Drafting, Tier, Verified
+from pipeline.engine.spec_step import Chunk, Drafting, Tier, Trees, Verified
 from pipeline.engine.speculative import StepInput, TargetPass
-from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree
+from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree, select_trees
 
 
 class EagleNet(Drafter, nn.Module):
@@ -362,7 +362,7 @@ class EagleRows:
     def __init__(self, net: EagleNet | Eagle3Net, tiers: list[Tier], state_rows: int, pool: BlockPool):
         self.net, self.tiers, self.pool = net, tiers, pool
         self.capture_layers: tuple[int, ...] = getattr(net, "capture_layers", ())
-        self.top_k = max(int(t.tree.ranks.max()) + 1 for t in tiers)
+        self.top_k = max(int(t.tree.ranks.max()) + 1 for t in tiers if t.dynamic is None)
         run = max(t.depth for t in tiers) + 1  # pairs a step may have to catch up on
         cfg, weight = net.cfg, net.lm_head.weight
         width = cfg.hidden_size * max(1, len(self.capture_layers))
@@ -412,9 +412,9 @@ class EagleRows:
             self.pending_features[chunk.state, 0] = last_feature
             self.num_pending.index_fill_(0, chunk.state, 1)
 
-    def draft(self, rows: Drafting, tier: Tier) -> torch.Tensor:
+    def draft(self, rows: Drafting, tier: Tier) -> tuple[torch.Tensor, Trees]:
         if rows.defer:  # a plain step whose pair joins the pending ones
-            return rows.roots[:, None]
+            return rows.roots[:, None], tier.trees
         b, ids, run = rows.roots.shape[0], self.run_ids, self.run
         pending = self.num_pending[rows.state]
         start = (rows.lengths - pending).clamp(min=0)  # pairs cached before the pending ones (padding rows: 0)
@@ -432,8 +432,10 @@ class EagleRows:
             ids[None, :].expand(b, run) + 1,
         )
         if tier.depth == 0:  # a plain step: caught up, nothing to draft
-            return rows.roots[:, None]
+            return rows.roots[:, None], tier.trees
         root_hidden = hidden.gather(1, (pending - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+        if tier.dynamic is not None:
+            return self._dynamic(rows, tier, tier.dynamic, root_hidden)
         t, k = tier.num_nodes, self.top_k
         tokens = rows.roots.new_zeros(b, t)
         tokens[:, 0] = rows.roots
@@ -461,7 +463,63 @@ class EagleRows:
             )
             node_hidden[:, nodes] = out
             top[:, nodes] = self.net.top_logp(out.reshape(b * n, -1), k)[1].view(b, n, k)
-        return tokens
+        return tokens, tier.trees
+
+    def _dynamic(
+        self, rows: Drafting, tier: Tier, cfg: DynamicTreeConfig, root_hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, Trees]:
+        """EAGLE-2 for every row at once, as EagleProposer._dynamic does for one: each depth expands the top-k
+        children of the `width` likeliest nodes of the depth before (by path log-probability), then each row
+        keeps its tier.num_nodes - 1 likeliest candidates. Frontier node j of depth d drafts at sequence index
+        length + (d - 1) * width + j and reads its own frontier ancestors."""
+        b, k, hidden_size = root_hidden.shape[0], cfg.top_k, root_hidden.shape[-1]
+        width = min(cfg.top_k, cfg.max_non_leaves_per_layer)
+        lengths, own = rows.lengths[:, None], torch.arange(width, device=root_hidden.device)
+        score, token = self.net.top_logp(root_hidden, k)  # [B, k]: the depth-1 candidates
+        cand_tokens, cand_scores = [token], [score]
+        cand_parents, cand_depths = [torch.full_like(token, -1)], [torch.ones_like(token)]
+        frontier = self.net.drafter.topk(score, width)[1]  # [B, width] candidate ids
+        frontier_score, frontier_token = score.gather(1, frontier), token.gather(1, frontier)
+        hidden = root_hidden[:, None].expand(b, width, hidden_size)  # each frontier node's parent's output
+        ancestors = frontier.new_zeros(b, width, 0)  # sequence offsets past the root of its drafted ancestors
+        total = k
+        for depth in range(1, cfg.depth):
+            offsets = torch.cat([ancestors, ((depth - 1) * width + own)[None, :, None].expand(b, -1, 1)], dim=2)
+            out = self._forward(
+                frontier_token,
+                hidden,
+                (lengths + depth - 1).expand(b, width),
+                self.pool.slots(rows.table, lengths + offsets[:, :, -1]),
+                rows.table,
+                rows.attn_len,
+                lengths.expand(b, width),
+                lengths[:, :, None] + offsets,
+                torch.full((b, width), depth, dtype=torch.long, device=token.device),
+            )
+            logp, child = (t.view(b, width * k) for t in self.net.top_logp(out.reshape(b * width, -1), k))
+            child_score = (frontier_score[:, :, None] + logp.view(b, width, k)).flatten(1)
+            cand_tokens.append(child)
+            cand_scores.append(child_score)
+            cand_parents.append(frontier.repeat_interleave(k, dim=1))
+            cand_depths.append(torch.full_like(child, depth + 1))
+            best = self.net.drafter.topk(child_score, width)[1]  # [B, width] among this depth's children
+            parent = best // k  # the frontier node each expands
+            frontier = total + best
+            frontier_score, frontier_token = child_score.gather(1, best), child.gather(1, best)
+            hidden = out.gather(1, parent[:, :, None].expand(-1, -1, hidden_size))
+            ancestors = offsets.gather(1, parent[:, :, None].expand(-1, -1, depth))
+            total += width * k
+        tokens, parents, depths, paths = select_trees(
+            rows.roots,
+            torch.cat(cand_tokens, 1),
+            torch.cat(cand_parents, 1),
+            torch.cat(cand_depths, 1),
+            torch.cat(cand_scores, 1),
+            tier.num_nodes,
+            tier.depth,
+            self.net.drafter.topk,
+        )
+        return tokens, Trees.of(depths, parents, paths)
 
     def accepted(self, rows: Drafting, tier: Tier, result: Verified) -> None:
         feats = self.features(result.hidden, result.captured)  # [B, T, F]

@@ -19,7 +19,7 @@ from pipeline.engine.ngram import NgramProposer, NgramRows
 from pipeline.engine.parallel import ParallelConfig
 from pipeline.engine.runner import Engine, RowsFactory, prepare_kernels
 from pipeline.engine.scheduler import SchedulerConfig
-from pipeline.engine.spec_step import BatchProposer, tier_ladder
+from pipeline.engine.spec_step import BatchProposer, Tier, tier_ladder
 from pipeline.engine.speculative import Proposer
 from pipeline.engine.tp_loader import load_tensor_parallel, runs_as_ranks
 from pipeline.engine.tree import MC_SIM_7B_63, build_tree
@@ -142,18 +142,21 @@ def batched_proposer(
     """The batched form of a speculative engine's proposer (None: it has none, or the engine is plain).
     Its tiers: chains up to the proposer's depth, then trees of the engine's choices as deep as that. A
     dynamic tree's engine cuts them from the static tree it was built with (`build --choices`: as deep as
-    that tree), else from the default tree at the dynamic depth."""
+    that tree), else from the default tree at the dynamic depth; its EAGLE-2 trees are the largest tier."""
     choices = spec.choices or MC_SIM_7B_63
     if spec.acceptance == "typical":  # Medusa's typical acceptance (not lossless) runs in the serial loop only
         return None
     if isinstance(proposer, EagleProposer):
-        net = proposer.net
+        net, dynamic, draft_len = proposer.net, proposer.dynamic, proposer.max_draft_len
         depth = max(len(p) for p in spec.choices) if spec.choices else proposer.depth
 
         def eagle_rows(blocks: int, block_size: int, states: int, max_nodes: int) -> BatchProposer:
             cfg = net.cfg
             pool = BlockPool(net.num_cache_layers, blocks, block_size, cfg.num_kv_heads, cfg.head_size, dtype, device)
-            return EagleRows(net, tier_ladder(choices, max_nodes, depth, device), states, pool)
+            tiers = tier_ladder(choices, max_nodes, depth, device)
+            if dynamic is not None:  # EAGLE-2's trees as the largest tier
+                tiers.append(Tier.build_dynamic(min(max_nodes, draft_len + 1), dynamic, device))
+            return EagleRows(net, tiers, states, pool)
 
         return eagle_rows
     if isinstance(proposer, MedusaProposer):

@@ -19,7 +19,7 @@ from pipeline.engine.acceptance import Acceptance
 from pipeline.engine.config import DynamicTreeConfig
 from pipeline.engine.kernels.routing import drafter_kernels
 from pipeline.engine.model import SUPPORTED_ACTIVATIONS, Linear
-from pipeline.engine.spec_step import Chunk, Drafting, Tier, Verified
+from pipeline.engine.spec_step import Chunk, Drafting, Tier, Trees, Verified
 from pipeline.engine.speculative import StepInput, TargetPass
 from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree
 
@@ -213,9 +213,9 @@ class MedusaRows:
         if chunk.first is not None:
             self.hidden.index_copy_(0, chunk.state, chunk.hidden.index_select(0, chunk.last))
 
-    def draft(self, rows: Drafting, tier: Tier) -> torch.Tensor:
+    def draft(self, rows: Drafting, tier: Tier) -> tuple[torch.Tensor, Trees]:
         if tier.depth == 0:
-            return rows.roots[:, None]
+            return rows.roots[:, None], tier.trees
         hidden = self.hidden[rows.state]  # [B, H]
         heads = [cast(MedusaHead, h) for h in self.heads[: tier.depth]]
         if self.lm_head is not None:
@@ -225,7 +225,7 @@ class MedusaRows:
         guesses = logits.topk(self.top_k, dim=-1).indices  # [B, depth, k]
         node_head = (tier.tree.depths - 1).clamp(min=0)
         tokens = guesses[:, node_head, tier.tree.ranks]  # [B, T]
-        return torch.cat([rows.roots[:, None], tokens[:, 1:]], dim=1)
+        return torch.cat([rows.roots[:, None], tokens[:, 1:]], dim=1), tier.trees
 
     def accepted(self, rows: Drafting, tier: Tier, result: Verified) -> None:
         last = result.path.gather(1, result.num_accepted[:, None])  # [B, 1] the deepest accepted node

@@ -11,7 +11,7 @@ import torch
 
 from pipeline.engine.acceptance import Acceptance
 from pipeline.engine.config import NgramConfig
-from pipeline.engine.spec_step import DRAFT_TOKENS, Chunk, Drafting, Tier, Verified
+from pipeline.engine.spec_step import DRAFT_TOKENS, Chunk, Drafting, Tier, Trees, Verified
 from pipeline.engine.speculative import StepInput, TargetPass
 from pipeline.engine.tree import DraftTree, chain_buffers
 
@@ -73,8 +73,9 @@ class NgramRows:
     def prefill(self, chunk: Chunk) -> None:
         pass
 
-    def draft(self, rows: Drafting, tier: Tier) -> torch.Tensor:
-        return torch.cat([rows.roots[:, None], rows.drafts[:, DRAFT_TOKENS : DRAFT_TOKENS + tier.depth]], dim=1)
+    def draft(self, rows: Drafting, tier: Tier) -> tuple[torch.Tensor, Trees]:
+        drafts = rows.drafts[:, DRAFT_TOKENS : DRAFT_TOKENS + tier.depth]
+        return torch.cat([rows.roots[:, None], drafts], dim=1), tier.trees
 
     def accepted(self, rows: Drafting, tier: Tier, result: Verified) -> None:
         pass

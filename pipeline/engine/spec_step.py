@@ -22,18 +22,19 @@ names its row in that step takes its root and its cached length from that step's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from pipeline.engine.config import DynamicTreeConfig
 from pipeline.engine.graphs import CapturedStep, Compiled
 from pipeline.engine.kv_cache import BlockPool, PagedView
 from pipeline.engine.model import Transformer, paged_context
 from pipeline.engine.sampling import argmax_rows
 from pipeline.engine.step import CARRY, POSITION, SEED, STATE, TABLE, TOKEN, TOP_K, BatchStep, step_mode
-from pipeline.engine.tree import Choices, TreeBuffers, build_tree, chain_buffers
+from pipeline.engine.tree import Choices, TreeBuffers, build_tree, chain, chain_buffers
 
 # Columns of a row's draft input: how many of the tier's draft nodes the row may accept (0: a plain step
 # for this row; a host draft's length), then its host draft tokens (n-gram).
@@ -56,17 +57,35 @@ class Level:
 
 
 @dataclass(frozen=True)
+class Trees:
+    """The trees of a step's rows as verification and acceptance read them: a static tier's, [1, ...] and
+    broadcast over the rows, or each row's own (a dynamic tier), [B, ...]."""
+
+    depths: torch.Tensor  # [R, T]
+    parent_or_root: torch.Tensor  # [R, T] each node's parent, the root its own
+    paths: torch.Tensor  # [R, T, depth + 1] node indices root .. node, padded with the node
+    mask: torch.Tensor  # [R, T, T] mask[r, t, s]: s is t or an ancestor of t
+
+    @classmethod
+    def of(cls, depths: torch.Tensor, parents: torch.Tensor, paths: torch.Tensor) -> Trees:
+        mask = torch.zeros(*depths.shape, depths.shape[-1], dtype=torch.bool, device=depths.device)
+        return cls(depths, parents.clamp(min=0), paths, mask.scatter_(2, paths, True))
+
+
+@dataclass(frozen=True)
 class Tier:
-    """One static tree shape a step can run, with what verification needs precomputed."""
+    """One tree shape a step can run, with what verification needs precomputed: a static tree, or (dynamic
+    set) EAGLE-2's tree of the tree's node count and depth, chosen by each row's draft scores; its `tree` then
+    stands for that size alone."""
 
     name: str
     tree: TreeBuffers
     paths: torch.Tensor  # [T, depth + 1] node indices root .. node, padded with the node
     levels: tuple[Level, ...]  # the nodes at each depth 1 .. depth
     node_ids: torch.Tensor  # [T] 0 .. T - 1
-    counts: torch.Tensor  # [T] each node's path length, root included (depth + 1)
-    parent_or_root: torch.Tensor  # [T] each node's parent, the root its own
+    trees: Trees  # the static tree's, for every row
     path_next: torch.Tensor  # [depth + 1] the path index after each: 1 .. depth, then depth again
+    dynamic: DynamicTreeConfig | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -97,16 +116,26 @@ class Tier:
             level = (tree.parents[nodes], tree.ranks[nodes], paths[nodes, 1 : d + 1] - 1)
             levels.append(Level(nodes, *(t.to(device) for t in level)))
         steps = torch.arange(depth + 1)
+        tree, paths = tree.to(device), paths.to(device)
         return cls(
             name,
-            tree.to(device),
-            paths.to(device),
+            tree,
+            paths,
             tuple(levels),
             torch.arange(len(parents), device=device),
-            (tree.depths + 1).to(device),
-            tree.parents.clamp(min=0).to(device),
+            Trees(tree.depths[None], tree.parents.clamp(min=0)[None], paths[None], tree.mask[None]),
             (steps + 1).clamp(max=depth).to(device),
         )
+
+    @classmethod
+    def build_dynamic(cls, max_nodes: int, dynamic: DynamicTreeConfig, device: torch.device) -> Tier:
+        """EAGLE-2's tier of dynamic.depth levels and as many of max_nodes nodes as its candidates fill (its
+        tree: a chain that deep, then depth-1 nodes, for the size)."""
+        width = min(dynamic.top_k, dynamic.max_non_leaves_per_layer)
+        candidates = dynamic.top_k * (1 + (dynamic.depth - 1) * width)
+        num_nodes = min(max_nodes, candidates + 1)
+        size = chain(dynamic.depth) + [[r] for r in range(1, num_nodes - dynamic.depth)]
+        return replace(cls.build(f"dynamic{num_nodes}", size, device), dynamic=dynamic)
 
 
 # Node counts of the tree tiers (root included), when the proposer's choices and max_nodes allow them.
@@ -185,8 +214,9 @@ class BatchProposer(Protocol):
         """Draft tokens computed on the host from a row's text (host_drafts > 0 only)."""
         ...
 
-    def draft(self, rows: Drafting, tier: Tier) -> torch.Tensor:
-        """[B, T] the tier's tokens for each row (the roots at node 0)."""
+    def draft(self, rows: Drafting, tier: Tier) -> tuple[torch.Tensor, Trees]:
+        """[B, T] the tier's tokens for each row (the roots at node 0), and their trees (a static tier's:
+        tier.trees)."""
 
     def accepted(self, rows: Drafting, tier: Tier, result: Verified) -> None:
         """After verification: take the accepted path into the per-request state."""
@@ -285,18 +315,18 @@ class SpecStep(BatchStep):
         table_len = table.shape[1] * self.pool.block_size
         draft_len = table_len if longest is None else min(table_len, longest + self.max_nodes)
         rows = Drafting(roots, lengths, table, ints[:, STATE], drafts, draft_len, defer)
-        tokens = self.proposer.draft(rows, tier)  # [B, T]
+        tokens, trees = self.proposer.draft(rows, tier)  # [B, T]
         t = tier.num_nodes
-        positions = lengths[:, None] + tier.tree.depths[None, :]
+        positions = lengths[:, None] + trees.depths
         seq = lengths[:, None] + tier.node_ids[None, :]
-        region = lengths[:, None, None] + tier.paths[None]  # [B, T, depth + 1]
+        region = lengths[:, None, None] + trees.paths  # [B, T, depth + 1]
         attn_len = self.max_seq_len if longest is None else longest + t
-        count = tier.counts[None, :].expand(tokens.shape[0], -1)
+        count = (trees.depths + 1).expand(tokens.shape[0], -1)
         hidden, captured = self._verify(tokens, positions, self.pool.slots(table, seq), table, region, count, attn_len)
         valid = tier.node_ids[None, :] <= drafts[:, DRAFT_COUNT, None]
         nxt = self._next_tokens(hidden, ints, floats, positions, mode)  # [B, T]: the token after each node
         if tier.depth:
-            path, num, out = accept_rows(tier, tokens, nxt, valid)
+            path, num, out = accept_rows(tier, tokens, nxt, valid, trees)
         else:  # a plain step: the root's next token, nothing to accept
             num = torch.zeros_like(lengths)
             path, out = num[:, None], nxt
@@ -361,19 +391,22 @@ class SpecStep(BatchStep):
 
 
 def accept_rows(
-    tier: Tier, tokens: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor
+    tier: Tier, tokens: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, trees: Trees | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's longest path of drafts that the target itself emits: node i is accepted when its token
     is nxt at its parent (and so are its ancestors). With nxt the argmax this is exact greedy decoding;
     with nxt the target's own seeded draws it is lossless sampling whose output is plain sampling's.
-    tokens, nxt, valid [B, T] -> (path [B, depth + 1], accepted count [B], tokens [B, depth + 1]: the
-    accepted drafts, then the target's token after the last of them)."""
-    ok = (tokens == nxt[:, tier.parent_or_root]) & valid
+    tokens, nxt, valid [B, T] (trees: the rows' own, else the tier's) -> (path [B, depth + 1], accepted
+    count [B], tokens [B, depth + 1]: the accepted drafts, then the target's token after the last of them)."""
+    trees = trees or tier.trees
+    rows, t = tokens.shape
+    ok = (tokens == nxt.gather(1, trees.parent_or_root.expand(rows, t))) & valid
     ok[:, 0] = True
-    path_ok = ~(tier.tree.mask[None] & ~ok[:, None, :]).any(-1)  # [B, T]: the whole root path matches
-    best = torch.where(path_ok, tier.tree.depths[None, :], -1).argmax(-1)  # the deepest, first on ties
-    path = tier.paths[best]
-    num = tier.tree.depths[best]
+    path_ok = ~(trees.mask & ~ok[:, None, :]).any(-1)  # [B, T]: the whole root path matches
+    depths = trees.depths.expand(rows, t)
+    best = torch.where(path_ok, depths, -1).argmax(-1)  # the deepest, first on ties
+    path = trees.paths.expand(rows, -1, -1).gather(1, best[:, None, None].expand(-1, 1, tier.depth + 1))[:, 0]
+    num = depths.gather(1, best[:, None])[:, 0]
     drafted = tokens.gather(1, path[:, tier.path_next])
     out = torch.where(tier.node_ids[None, : tier.depth + 1] < num[:, None], drafted, nxt.gather(1, best[:, None]))
     return path, num, out

@@ -370,3 +370,36 @@ def select_tree(
     tree_parents = torch.cat([kept_parents.new_full((1,), -1), kept_parents])
     tree_depths = torch.cat([depths.new_zeros(1), depths[keep]])
     return torch.cat([root, tokens[keep]]), tree_parents, tree_depths, ancestor_mask(tree_parents, max_depth)
+
+
+def select_trees(
+    roots: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    scores: torch.Tensor,
+    num_nodes: int,
+    max_depth: int,
+    topk: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = torch.topk,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """select_tree for each of B rows at once: candidates [B, C] (parents are candidate ids, -1 the root)
+    -> the num_nodes - 1 best under each row's root, ordered by depth: (tokens [B, T], parents [B, T] (-1 at
+    the root), depths [B, T], paths [B, T, max_depth + 1]: node indices root .. node, padded with the node)."""
+    rows, count = tokens.shape
+    n = num_nodes - 1
+    keep = topk(scores - DEPTH_TIE_BREAK * depths, n)[1]  # [B, n]
+    keep = keep.gather(1, topk(-(depths.gather(1, keep) * count + keep).float(), n)[1])  # by depth, then id
+    order = torch.arange(1, num_nodes, device=tokens.device).expand(rows, n)
+    new_index = torch.zeros_like(tokens).scatter_(1, keep, order)
+    kept = parents.gather(1, keep)
+    tree_parents = torch.cat(
+        [kept.new_full((rows, 1), -1), torch.where(kept >= 0, new_index.gather(1, kept.clamp(min=0)), 0)], 1
+    )
+    tree_depths = torch.cat([depths.new_zeros(rows, 1), depths.gather(1, keep)], 1)
+    # up[..., i]: each node's i-th ancestor (the root its own); node t's path entry j is up[depth(t) - j].
+    up = [torch.arange(num_nodes, device=tokens.device).expand(rows, num_nodes)]
+    for _ in range(max_depth):
+        up.append(tree_parents.clamp(min=0).gather(1, up[-1]))
+    steps = torch.arange(max_depth + 1, device=tokens.device)
+    paths = torch.stack(up, -1).gather(2, (tree_depths[:, :, None] - steps).clamp(min=0))
+    return torch.cat([roots[:, None], tokens.gather(1, keep)], 1), tree_parents, tree_depths, paths
