@@ -1,8 +1,9 @@
 """The batched speculative step: every running request drafts, is verified and accepts in one step.
 
-A step runs one *tier*, a static tree shape shared by every row (the root alone, a chain, or a tree):
+A step runs one *tier*, a tree shape shared by every row (the root alone, a chain, or a tree), or EAGLE-2's
+trees of one size whose shape each row's draft chooses (a dynamic tier):
 1. the proposer drafts each row's tokens for the tier's nodes (node 0 is the row's root, the last
-   emitted token), from its own per-request state on the device;
+   emitted token), from its own per-request state on the device, with the rows' trees;
 2. one target pass over all rows' trees in the block pool: node i of a row sits at sequence index
    length + i, at RoPE position length + depth(i), and reads the row's accepted text and then its own
    path through the tree (paged_attention), so it computes exactly what the same token would once its
