@@ -26,6 +26,7 @@ from pipeline.engine.sampling import sample_rows
 from pipeline.engine.scheduler import SchedulerConfig
 from pipeline.engine.spec_step import Tier, accept_rows, tier_ladder
 from pipeline.engine.step import CARRY, STATE
+from pipeline.errors import UserError
 
 PROMPTS = [
     "def add(a, b):",
@@ -102,6 +103,11 @@ def test_a_cpu_engine_knows_every_buckets_tier_costs_once_loaded(built):
     spec, controller = engine.scheduler.spec, engine.scheduler.controller
     assert spec is not None and controller is not None
     assert all(controller.calibrated(b) for b in spec.buckets)
+
+
+def test_a_tier_the_engine_lacks_is_refused_at_load_naming_its_tiers(built):
+    with pytest.raises(UserError, match="--speculation 'tree99': use adaptive, off, full, or a tier: plain, chain1"):
+        Engine.from_dir(built["eagle"], serving=SchedulerConfig(speculation="tree99"))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -192,6 +192,9 @@ def test_the_stream_interval_groups_tokens_and_keeps_them(engine_dir, engine):
         assert grouped.generate(ids, params).token_ids == want
     with pytest.raises(UserError, match="--stream-interval 0: must be >= 1"):
         SchedulerConfig(stream_interval=0)
+    # A tier's name is checked against the engine's tiers when it loads; anything else when the option is read.
+    with pytest.raises(UserError, match="--speculation 'tree 16': use adaptive, off, full, or a tier's name"):
+        SchedulerConfig(speculation="tree 16")
 
 
 def test_more_requests_than_blocks_queue_and_complete(tiny_llama_dir, tmp_path, engine):

@@ -30,14 +30,17 @@ tokens a row a second it delivered there (that time included), whatever the esti
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeline.engine.spec_step import Tier
+from pipeline.errors import UserError
 
 POLICIES = ("adaptive", "off", "full")
+TIER_NAME = re.compile(r"plain|(chain|tree|dynamic)[1-9][0-9]*")  # the names spec_step's tiers take
 
 
 def moved(mean: float | None, value: float, weight: float) -> float:
@@ -133,7 +136,7 @@ class TierController:
         self.accepted = [0.0] + [None] * (len(self.tiers) - 1)
         self.depth_acceptance = [self.config.prior_acceptance] * max(t.depth for t in self.tiers)
         if self.config.policy not in POLICIES and self.config.policy not in self.names:
-            raise ValueError(
+            raise UserError(
                 f"--speculation {self.config.policy!r}: use {', '.join(POLICIES)}, or a tier: {', '.join(self.names)}"
             )
 

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.engine.adaptive import AdaptiveConfig, TierController
+from pipeline.engine.adaptive import POLICIES, TIER_NAME, AdaptiveConfig, TierController
 from pipeline.engine.kv_cache import BlockPool, CacheBudget
 from pipeline.engine.readback import Pending, Readback
 from pipeline.engine.request import ChunkQueue, GenerationResult, RequestStream, StopChecker, StreamChunk
@@ -114,6 +114,11 @@ class SchedulerConfig:
                 raise UserError(f"--{name.replace('_', '-')} {value!r}: must be an integer")
             if value is not None and value < 1:
                 raise UserError(f"--{name.replace('_', '-')} {value}: must be >= 1")
+        if self.speculation not in POLICIES and not TIER_NAME.fullmatch(self.speculation):
+            raise UserError(
+                f"--speculation {self.speculation!r}: use {', '.join(POLICIES)}, or a tier's name (plain, chainN, "
+                "treeN, dynamicN; the engine model's log lists them)"
+            )
 
 
 @dataclass(eq=False)  # compared by identity: the scheduler's lists find a request by what it is

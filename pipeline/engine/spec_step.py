@@ -399,7 +399,7 @@ def accept_rows(
     with nxt the target's own seeded draws it is lossless sampling whose output is plain sampling's.
     tokens, nxt, valid [B, T] (trees: the rows' own, else the tier's) -> (path [B, depth + 1], accepted
     count [B], tokens [B, depth + 1]: the accepted drafts, then the target's token after the last of them)."""
-    trees = trees or tier.trees
+    trees = tier.trees if trees is None else trees
     rows, t = tokens.shape
     ok = (tokens == nxt.gather(1, trees.parent_or_root.expand(rows, t))) & valid
     ok[:, 0] = True
