@@ -52,6 +52,9 @@ CASES = {
         max_draft_len=10,
     ),
     "medusa": lambda d, v: dict(medusa=make_random_medusa(d / "m", HIDDEN, v, with_lm_head=False)),
+    "medusa-dynamic": lambda d, v: dict(
+        medusa=make_random_medusa(d / "md", HIDDEN, v), dynamic_tree=True, dynamic_top_k=4, max_draft_len=12
+    ),
     "ngram": lambda d, v: dict(speculative="ngram", ngram_k=3),
 }
 

@@ -142,7 +142,7 @@ def batched_proposer(
     """The batched form of a speculative engine's proposer (None: it has none, or the engine is plain).
     Its tiers: chains up to the proposer's depth, then trees of the engine's choices as deep as that. A
     dynamic tree's engine cuts them from the static tree it was built with (`build --choices`: as deep as
-    that tree), else from the default tree at the dynamic depth; its EAGLE-2 trees are the largest tier."""
+    that tree), else from the default tree at the dynamic depth; its dynamic trees are the largest tier."""
     choices = spec.choices or MC_SIM_7B_63
     if spec.acceptance == "typical":  # Medusa's typical acceptance (not lossless) runs in the serial loop only
         return None
@@ -161,9 +161,15 @@ def batched_proposer(
         return eagle_rows
     if isinstance(proposer, MedusaProposer):
         medusa = proposer
+        heads = len(medusa.heads)
+        medusa_dynamic = (
+            None if medusa.dynamic is None else replace(medusa.dynamic, depth=min(medusa.dynamic.depth, heads))
+        )
 
         def medusa_rows(blocks: int, block_size: int, states: int, max_nodes: int) -> BatchProposer:
-            tiers = tier_ladder(choices, max_nodes, len(medusa.heads), device)
+            tiers = tier_ladder(choices, max_nodes, heads, device)
+            if medusa_dynamic is not None:  # its dynamic trees as the largest tier
+                tiers.append(Tier.build_dynamic(min(max_nodes, medusa.max_draft_len + 1), medusa_dynamic, device))
             return MedusaRows(medusa.heads, medusa.lm_head, tiers, states)
 
         return medusa_rows

@@ -21,7 +21,7 @@ from pipeline.engine.kernels.routing import drafter_kernels
 from pipeline.engine.model import SUPPORTED_ACTIVATIONS, Linear
 from pipeline.engine.spec_step import Chunk, Drafting, Tier, Trees, Verified
 from pipeline.engine.speculative import StepInput, TargetPass
-from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree
+from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree, select_trees
 
 
 class ResBlock(nn.Module):
@@ -201,7 +201,7 @@ class MedusaRows:
         depth = max(t.depth for t in tiers)
         self.heads = heads[:depth]
         self.lm_head = lm_head
-        self.top_k = max(int(t.tree.ranks.max()) + 1 for t in tiers)
+        self.top_k = max(int(t.tree.ranks.max()) + 1 for t in tiers if t.dynamic is None)
         first = cast(MedusaHead, heads[0])
         weight = (lm_head or first.lm_head or lm_head_missing()).weight
         self.hidden = weight.new_zeros(state_rows, weight.shape[1])
@@ -222,10 +222,43 @@ class MedusaRows:
             logits = self.lm_head(torch.stack([h.features(hidden) for h in heads], dim=1))
         else:
             logits = torch.stack([h(hidden) for h in heads], dim=1)  # [B, depth, V]
+        if tier.dynamic is not None:
+            return self._dynamic(rows, tier, tier.dynamic, logits)
         guesses = logits.topk(self.top_k, dim=-1).indices  # [B, depth, k]
         node_head = (tier.tree.depths - 1).clamp(min=0)
         tokens = guesses[:, node_head, tier.tree.ranks]  # [B, T]
         return torch.cat([rows.roots[:, None], tokens[:, 1:]], dim=1), tier.trees
+
+    @staticmethod
+    def _dynamic(
+        rows: Drafting, tier: Tier, cfg: DynamicTreeConfig, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, Trees]:
+        """MedusaProposer._dynamic for every row at once: head d's top-k are the children of the `width` best
+        nodes of depth d, and each row keeps its tier.num_nodes - 1 likeliest candidates."""
+        logp, token = F.log_softmax(logits.float(), dim=-1).topk(cfg.top_k, dim=-1)  # [B, depth, k]
+        k = cfg.top_k
+        width = min(cfg.top_k, cfg.max_non_leaves_per_layer)
+        scores = logp[:, 0]  # every candidate's path log-probability so far, by candidate id
+        cand_tokens, cand_parents = [token[:, 0]], [torch.full_like(token[:, 0], -1)]
+        cand_depths = [torch.ones_like(token[:, 0])]
+        frontier = scores.topk(width)[1]  # [B, width] candidate ids
+        for depth in range(1, tier.depth):
+            child_score = (scores.gather(1, frontier)[:, :, None] + logp[:, depth, None, :]).flatten(1)
+            cand_tokens.append(token[:, depth].repeat(1, width))
+            cand_parents.append(frontier.repeat_interleave(k, dim=1))
+            cand_depths.append(torch.full_like(child_score, depth + 1, dtype=torch.long))
+            frontier = scores.shape[1] + child_score.topk(width)[1]
+            scores = torch.cat([scores, child_score], dim=1)
+        tokens, parents, depths, paths = select_trees(
+            rows.roots,
+            torch.cat(cand_tokens, 1),
+            torch.cat(cand_parents, 1),
+            torch.cat(cand_depths, 1),
+            scores,
+            tier.num_nodes,
+            tier.depth,
+        )
+        return tokens, Trees.of(depths, parents, paths)
 
     def accepted(self, rows: Drafting, tier: Tier, result: Verified) -> None:
         last = result.path.gather(1, result.num_accepted[:, None])  # [B, 1] the deepest accepted node
