@@ -507,3 +507,17 @@ def test_the_load_bench_sends_poisson_arrivals_with_at_most_c_in_flight():
         assert row["requests"] == 8 and row["request_rate"] == rate and not row["errors"]
         assert row["seconds"] >= sum(size.gaps(8))
         assert most[0] == 2 if rate == 1000.0 else most[0] <= 2  # the slots fill and are never passed
+
+
+def test_a_dynamic_tier_is_as_large_as_its_candidates_and_nodes_allow():
+    """EAGLE-2's tier keeps at most its candidates (top-k, then width x top-k a depth) and max_nodes nodes, and
+    is no deeper than those nodes reach."""
+    from pipeline.engine.config import DynamicTreeConfig
+
+    cfg = DynamicTreeConfig(top_k=4, depth=4, max_non_leaves_per_layer=2)
+    sizes = {n: Tier.build_dynamic(n, cfg, torch.device("cpu")) for n in (3, 6, 64)}
+    assert [(t.name, t.num_nodes, t.depth) for t in sizes.values()] == [
+        ("dynamic3", 3, 2),
+        ("dynamic6", 6, 4),
+        ("dynamic29", 29, 4),  # 4 + 3 depths x 2 x 4 candidates, and the root
+    ]

@@ -135,6 +135,7 @@ class Tier:
         width = min(dynamic.top_k, dynamic.max_non_leaves_per_layer)
         candidates = dynamic.top_k * (1 + (dynamic.depth - 1) * width)
         num_nodes = min(max_nodes, candidates + 1)
+        dynamic = replace(dynamic, depth=min(dynamic.depth, num_nodes - 1))  # no deeper than its nodes reach
         size = chain(dynamic.depth) + [[r] for r in range(1, num_nodes - dynamic.depth)]
         return replace(cls.build(f"dynamic{num_nodes}", size, device), dynamic=dynamic)
 
