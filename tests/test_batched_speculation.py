@@ -295,8 +295,12 @@ def test_speculative_sampling_keeps_the_target_distribution():
     assert not within_sampling_error(broken, want), "the check must catch a rule that is not lossless"
 
 
-def test_sampled_output_is_plain_samplings_in_every_tier_and_batch(built, plain):
-    """The same seed gives plain sampling's tokens, whatever the tier, the batch and the other rows."""
+@pytest.mark.parametrize(
+    "case,policies", [("eagle", ["adaptive", "chain2", "tree16", "off"]), ("eagle3-dynamic", ["dynamic11"])]
+)
+def test_sampled_output_is_plain_samplings_in_every_tier_and_batch(case, policies, built, plain):
+    """The same seed gives plain sampling's tokens, whatever the tier (each row's own trees included), the
+    batch and the other rows."""
     ids = plain.tokenizer(PROMPTS[1]).input_ids
     params = SamplingParams(max_tokens=24, temperature=0.8, top_k=20, seed=11, end_id=-1)
     requests = [
@@ -307,10 +311,10 @@ def test_sampled_output_is_plain_samplings_in_every_tier_and_batch(built, plain)
     ]
     want = [plain.generate(i, p).token_ids for i, p in requests]
     assert want[0] != want[1]
-    engine = Engine.from_dir(built["eagle"])
+    engine = Engine.from_dir(built[case])
     controller = engine.scheduler.controller
     assert controller is not None
-    for policy in ["adaptive", "chain2", "tree16", "off"]:
+    for policy in policies:
         controller.config = AdaptiveConfig(policy=policy)
         assert run_together(engine, requests) == want, policy
         assert run_together(engine, requests[:1]) == want[:1], policy
