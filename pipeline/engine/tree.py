@@ -360,16 +360,11 @@ def select_tree(
     and whose scores are path log-probabilities: the max_draft_len best, ordered by depth, under `root`.
     Returns (tokens, parents, depths, ancestor mask), the root at node 0. `topk` does both sorts (a
     kernel of the caller's may stand in for torch.topk)."""
-    count = tokens.shape[0]
-    keep = topk(scores - DEPTH_TIE_BREAK * depths, min(max_draft_len, count))[1]
-    # By depth, then candidate id: distinct integers well inside float32's exact range.
-    keep = keep[topk(-(depths[keep] * count + keep).float(), keep.shape[0])[1]]
-    new_index = torch.zeros(count, dtype=torch.long, device=tokens.device)
-    new_index[keep] = torch.arange(1, keep.shape[0] + 1, device=tokens.device)
-    kept_parents = torch.where(parents[keep] >= 0, new_index[parents[keep].clamp(min=0)], 0)
-    tree_parents = torch.cat([kept_parents.new_full((1,), -1), kept_parents])
-    tree_depths = torch.cat([depths.new_zeros(1), depths[keep]])
-    return torch.cat([root, tokens[keep]]), tree_parents, tree_depths, ancestor_mask(tree_parents, max_depth)
+    num_nodes = 1 + min(max_draft_len, tokens.shape[0])
+    rows = select_trees(root, tokens[None], parents[None], depths[None], scores[None], num_nodes, max_depth, topk)
+    tree_tokens, tree_parents, tree_depths, paths = (t[0] for t in rows)
+    mask = torch.zeros(num_nodes, num_nodes, dtype=torch.bool, device=tokens.device).scatter_(1, paths, True)
+    return tree_tokens, tree_parents, tree_depths, mask
 
 
 def select_trees(
