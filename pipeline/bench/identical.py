@@ -1,7 +1,7 @@
 """Do a request's tokens depend on the batch or on speculation? Greedy outputs compared, and their speed.
 
     python -m pipeline.bench.identical --engine PLAIN_DIR [--spec DIR ...] --prompt-ids FILE --device cuda
-        [--invariant] [--concurrency 1,16,64] [--max-tokens 256]
+        [--invariant] [--concurrency 1,16,64] [--max-tokens 256] [--speculation adaptive|TIER]
 
 The plain engine's outputs one request at a time (concurrency 1) are the reference; every other run
 (the plain engine at each concurrency, each speculative engine at each concurrency) is compared with it
@@ -60,15 +60,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--invariant", action="store_true", help="batch-invariant kernels (SchedulerConfig.invariant)")
     p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument(
+        "--speculation", default="adaptive", help="the speculative engines' tiers: adaptive, full, or one tier's name"
+    )
     p.add_argument("--output", type=Path, default=Path("bench"))
     args = p.parse_args(argv)
     prompts = json.loads(args.prompt_ids.read_text())[: args.num_prompts]
     levels = [int(c) for c in args.concurrency.split(",")]
-    serving = SchedulerConfig(max_batch_size=args.max_batch_size, invariant=args.invariant)
+    serving = SchedulerConfig(
+        max_batch_size=args.max_batch_size, invariant=args.invariant, speculation=args.speculation
+    )
     rows: list[dict[str, Any]] = []
     reference: list[list[int]] | None = None
     device = torch.device(args.device)
     stem = f"identical-{'invariant' if args.invariant else 'default'}-{device_tag(device)}"
+    if args.speculation != "adaptive":
+        stem += f"-{args.speculation}"
     record = {"environment": environment(device), "args": {k: str(v) for k, v in vars(args).items()}}
     for folder in [args.engine, *args.spec]:
         engine = Engine.from_dir(folder, device=args.device, serving=serving)
