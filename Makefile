@@ -177,14 +177,27 @@ BENCH_DECODE_ARGS ?= --num-prompts 2 --hf-prompts 2 --max-tokens 64
 bench-decode: setup
 	$(SPECPIPE) bench --device cpu --suites smollm2 --methods plain $(BENCH_DECODE_ARGS)
 
-# make bench-serving: the concurrency sweep of ENGINE (default: the plain SmolLM2 engine) on DEVICE, in-process
-# and through tritonserver (gRPC streaming), greedy and at temperature 0.7; writes bench/load-*.json and .png.
-SERVING_ENGINE ?= $(ENGINES)/$(patsubst %.gguf,%,$(notdir $(TARGET)))
+# make bench-serving [DEVICE=cuda DTYPE=bfloat16] [SERVING_METHODS="plain eagle eagle3 medusa draft ngram"]: the
+# concurrency sweep of each method's engine for TARGET (built when missing), one engine after the other,
+# in-process and through tritonserver, greedy and at temperature 0.7; writes bench/load-*.json and .png, and the
+# speed-up of each method over plain (the first) against concurrency, bench/speedup-*.png.
+SERVING_METHODS ?= plain eagle
+SERVING_DRAFT_plain :=
+SERVING_DRAFT_eagle := eagle:drafts/smollm2-eagle
+SERVING_DRAFT_eagle3 := eagle3:drafts/smollm2-eagle3
+SERVING_DRAFT_medusa := medusa:drafts/smollm2-medusa
+SERVING_DRAFT_draft := draft-model:drafts/smollm2-draft
+SERVING_DRAFT_ngram := ngram
+$(foreach m,$(SERVING_METHODS),$(if $(filter undefined,$(origin SERVING_DRAFT_$(m))),\
+  $(error SERVING_METHODS: $(m) is not a method; use plain eagle eagle3 medusa draft ngram)))
+serving_engine = $(ENGINES)/$(patsubst %.gguf,%,$(notdir $(TARGET)))$(if $(filter plain,$(1)),,-$(1))
 BENCH_SERVING_ARGS ?= --temperatures 0,0.7 --triton
 .PHONY: bench-serving
 bench-serving: setup
-	test -f $(SERVING_ENGINE)/config.json || $(MAKE) build-engines TARGET=$(TARGET) DRAFT=
-	$(BIN)/python -m pipeline.bench.load --engine $(SERVING_ENGINE) --device $(DEVICE) $(BENCH_SERVING_ARGS)
+	$(foreach m,$(SERVING_METHODS),test -f $(call serving_engine,$(m))/config.json || \
+	  $(MAKE) build-engines TARGET=$(TARGET) DRAFT=$(SERVING_DRAFT_$(m));)
+	$(BIN)/python -m pipeline.bench.load $(foreach m,$(SERVING_METHODS),--engine $(call serving_engine,$(m))) \
+	  --device $(DEVICE) $(BENCH_SERVING_ARGS)
 
 # --- Soak (not in CI) --------------------------------------------------------------------------
 # make soak [SOAK_MINUTES=10] [SOAK_CONCURRENCY=16]: mixed normal, cancelled and bad requests through

@@ -9,6 +9,7 @@ distribution (and a broken rule is caught by the same check).
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from dataclasses import replace
@@ -486,6 +487,35 @@ def test_the_load_bench_interleaves_controller_variants_over_spread_lengths(buil
             assert r["requests"] == n and not r["errors"]
             assert r["output_tokens"] == sum(lengths[:n])
             assert "windows" in r["controller"]
+
+
+def test_the_load_bench_sweeps_each_engine_and_plots_the_speedup_over_the_first(
+    built, tiny_llama_dir, tmp_path, capsys
+):
+    """`load --engine PLAIN --engine M ...` (make bench-serving's every method) sweeps each engine in turn into
+    its own JSON and prints and plots each method's speed-up over the first at every level."""
+    from pipeline.bench import load
+
+    engines = [shutil.copytree(convert_and_build(tiny_llama_dir, tmp_path / "p"), tmp_path / "plain")]
+    engines += [shutil.copytree(built[name], tmp_path / name) for name in ("ngram", "eagle")]
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([[1, 2, 3, 4], [5, 6, 7]]))
+    out = tmp_path / "out"
+    argv = [a for e in engines for a in ("--engine", str(e))]
+    argv += ["--prompt-ids", str(ids), "--concurrency", "1,2", "--max-tokens", "6", "--min-requests", "2"]
+    assert load.main([*argv, "--requests-per-client", "1", "--output", str(out)]) == 0
+    sweeps = [json.loads(p.read_text()) for p in out.glob("load-*.json")]
+    assert sorted(s["label"] for s in sweeps) == ["eagle", "ngram", "plain"]
+    for sweep in sweeps:
+        assert [r["concurrency"] for r in sweep["results"]["in-process T=0"]] == [1, 2]
+    printed = capsys.readouterr().out.splitlines()
+    for name in ("ngram", "eagle"):
+        assert sum(line.split()[:2] == [name, "C="] for line in printed) == 2  # a row a level
+    assert len(list(out.glob("speedup-*.png"))) == 1
+    with pytest.raises(SystemExit, match="take one --engine"):
+        load.main([*argv, "--label", "x"])
+    with pytest.raises(SystemExit, match="same name"):
+        load.main(["--engine", str(engines[0]), "--engine", str(built["eagle"]), "--engine", str(built["ngram"])])
 
 
 def test_the_load_bench_sends_poisson_arrivals_with_at_most_c_in_flight():

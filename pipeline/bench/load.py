@@ -1,6 +1,6 @@
 """Serving under load: a concurrency sweep, measured the way vLLM's and TensorRT-LLM's users measure it.
 
-    python -m pipeline.bench.load --engine DIR [--device cuda] [--triton] [--concurrency 1,4,16]
+    python -m pipeline.bench.load --engine DIR [--engine DIR ...] [--device cuda] [--triton] [--concurrency 1,4,16]
     python -m pipeline.bench.load --shape smollm2|llama3-8b --device cuda   # random weights, ids only
 
 At each concurrency C, C clients each send their next request as soon as the previous one ends (closed
@@ -15,12 +15,15 @@ tritonserver (gRPC streaming to the engine model, token ids in and out). --shape
 random weights in that model's shape (output speed does not depend on the weights at a fixed length): the
 prompts keep their token counts.
 Writes <output>/load-<label>-<device>-<date>.json and a PNG of throughput and TTFT against concurrency.
+With several --engine, each is swept in turn (one loaded at a time) and the speed-up of each over the first
+(the plain engine) is printed and plotted against concurrency (speedup.py): <output>/speedup-<device>-<date>.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import random
 import statistics
@@ -456,7 +459,7 @@ def retune(engine: Engine, tuning: KernelTuning | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--engine", type=Path)
+    p.add_argument("--engine", type=Path, action="append", help="an engine directory; several: each over the first")
     p.add_argument("--shape", choices=sorted(SHAPES))
     p.add_argument("--device", default="cpu")
     p.add_argument("--concurrency", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
@@ -514,10 +517,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default=None, help="the results' name (default: the engine's or shape's)")
     p.add_argument("--output", type=Path, default=Path("bench"))
     args = p.parse_args(argv)
-    if (args.engine is None) == (args.shape is None):
-        raise SystemExit("give one of --engine DIR or --shape NAME")
-    if args.engine is not None and not (args.engine / "config.json").is_file():
-        raise SystemExit(f"--engine {args.engine}: no config.json; build one with `make build-engines`")
+    engines = args.engine or []
+    if bool(engines) == (args.shape is not None):
+        raise SystemExit("give --engine DIR (one or more) or --shape NAME")
+    for folder in engines:
+        if not (folder / "config.json").is_file():
+            raise SystemExit(f"--engine {folder}: no config.json; build one with `make build-engines`")
+    if len({folder.name for folder in engines}) < len(engines):
+        raise SystemExit("--engine: two engines have the same name (their results would overwrite); rename one")
+    if len(engines) > 1 and (args.label is not None or args.write_prompt_ids is not None):
+        raise SystemExit("--label and --write-prompt-ids take one --engine")
+    paths = []
+    for folder in engines or [None]:
+        paths.append(run(argparse.Namespace(**{**vars(args), "engine": folder})))
+        gc.collect()  # the engine just swept, its pool and graphs freed before the next loads
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if len(paths) > 1:
+        from pipeline.bench import speedup
+
+        name = f"speedup-{device_tag(torch.device(args.device))}-{datetime.date.today().isoformat()}.png"
+        methods = [f"{folder.name}={path}" for folder, path in zip(engines[1:], paths[1:])]
+        speedup.main(
+            ["--plain", str(paths[0]), *(a for m in methods for a in ("--method", m))]
+            + ["--output", str(args.output / name)]
+        )
+    return 0
+
+
+def run(args: argparse.Namespace) -> Path:
+    """One engine's (or shape's) sweep, every temperature and variant: its JSON's path (with
+    --write-prompt-ids: that file's, written instead)."""
     levels = args.concurrency or (CUDA_LEVELS if args.device.startswith("cuda") else CPU_LEVELS)
     # Each variant's policy: its own if it sets one, else --speculation's.
     args.adaptive = [
@@ -537,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [prompt_ids(tokenizer, t, chat=chat) for t in load_prompts(None, args.num_prompts)]
         if args.write_prompt_ids:
             args.write_prompt_ids.write_text(json.dumps(prompts))
-            return 0
+            return Path(args.write_prompt_ids)
     print(f"{label} on {args.device}: capacity {engine.capacity}", flush=True)
     results: dict[str, list[dict[str, Any]]] = {}
     if not 0 <= args.length_spread < 1:
@@ -586,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     plot(results, args.output / f"{stem}.png", f"{label}, {args.device}, {args.max_tokens} new tokens")
     print(f"wrote {args.output / stem}.json and .png")
-    return 0
+    return args.output / f"{stem}.json"
 
 
 def run_triton(
