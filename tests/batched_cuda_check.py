@@ -14,7 +14,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))  # conftest, the CPU tests' cases
+sys.path.insert(0, str(Path(__file__).parent.parent))  # the pipeline package, when run from anywhere
 
 from conftest import convert_and_build  # noqa: E402
 from test_batched_speculation import CASES, mixed_requests, run_together, vocab_of  # noqa: E402

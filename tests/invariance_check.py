@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent.parent))  # the pipeline package, when run from anywhere
 
 from pipeline.engine.kernels.invariant import invariant_linear, invariant_rms_norm, k_span
 from pipeline.engine.kernels.routing import attach

@@ -6,8 +6,13 @@ Run with TRITON_INTERPRET=1 on CPU tensors (tests/test_scheduler.py does), or as
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent.parent))  # the pipeline package, when run from anywhere
 
 from pipeline.engine.kv_cache import BlockPool
 from pipeline.engine.paged_attention import paged_attention, paged_decode_attention

@@ -518,6 +518,16 @@ def test_the_load_bench_sweeps_each_engine_and_plots_the_speedup_over_the_first(
         load.main(["--engine", str(engines[0]), "--engine", str(built["eagle"]), "--engine", str(built["ngram"])])
 
 
+def test_the_load_bench_refuses_a_bad_prompt_file_before_loading_the_engine(built, tmp_path, capsys, monkeypatch):
+    """A prompt file that is not there is one clear line and exit 2, before the engine's minute of loading."""
+    from pipeline.bench import load
+
+    monkeypatch.setattr(load, "load_engine", lambda args: pytest.fail("the engine loaded before the prompts"))
+    missing = tmp_path / "nope.jsonl"
+    assert load.main(["--engine", str(built["ngram"]), "--prompts", str(missing)]) == 2
+    assert capsys.readouterr().err.strip() == f"load: error: --prompts {missing}: file not found"
+
+
 def test_the_load_bench_sends_poisson_arrivals_with_at_most_c_in_flight():
     """With a request rate, requests arrive at seeded exponential gaps (the level lasts at least their sum)
     and no more than the level's concurrency run at once, later arrivals waiting for a slot."""

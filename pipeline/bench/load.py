@@ -27,6 +27,7 @@ import gc
 import json
 import random
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -48,7 +49,7 @@ from pipeline.engine.model import ModelConfig, Transformer
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.scheduler import Scheduler, SchedulerConfig
-from pipeline.errors import UserError
+from pipeline.errors import USER_ERROR_EXIT_CODE, UserError
 
 IGNORE_END = -1
 CUDA_LEVELS = (1, 2, 4, 8, 16, 32, 64)
@@ -483,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument(
+        "--prompts", type=Path, default=None, help="JSONL of prompts (`prompt` or `turns`; default: MT-bench's)"
+    )
+    p.add_argument(
         "--prompt-ids",
         type=Path,
         default=None,
@@ -529,7 +533,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--label and --write-prompt-ids take one --engine")
     paths = []
     for folder in engines or [None]:
-        paths.append(run(argparse.Namespace(**{**vars(args), "engine": folder})))
+        try:
+            paths.append(run(argparse.Namespace(**{**vars(args), "engine": folder})))
+        except UserError as exc:
+            print(f"load: error: {exc}", file=sys.stderr)
+            return USER_ERROR_EXIT_CODE
         gc.collect()  # the engine just swept, its pool and graphs freed before the next loads
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -554,26 +562,28 @@ def run(args: argparse.Namespace) -> Path:
         (text, c if c.policy != AdaptiveConfig.policy else replace(c, policy=args.speculation))
         for text, c in args.adaptive or [(BASE, AdaptiveConfig())]
     ]
+    # What the user gave is checked before the engine loads (a minute or more on a GPU).
+    if not 0 <= args.length_spread < 1:
+        raise SystemExit(f"--length-spread {args.length_spread}: use a fraction in [0, 1)")
+    if args.request_rate is not None and args.request_rate <= 0:
+        raise SystemExit(f"--request-rate {args.request_rate}: use requests a second > 0")
+    if args.shape and args.prompt_ids is None:
+        raise SystemExit("--shape needs --prompt-ids FILE (written by --engine DIR --write-prompt-ids FILE)")
+    texts = load_prompts(args.prompts, args.num_prompts) if args.prompt_ids is None else []
     engine, label, tokenizer = load_engine(args)
     label = (args.label or label) + ("-invariant" if args.invariant else "")
-    if tokenizer is None or args.prompt_ids is not None:
-        if args.prompt_ids is None:
-            raise SystemExit("--shape needs --prompt-ids FILE (written by --engine DIR --write-prompt-ids FILE)")
+    if args.prompt_ids is not None:
         prompts = json.loads(args.prompt_ids.read_text())[: args.num_prompts]
     else:
         from pipeline.engine.cli import prompt_ids
 
         chat = bool(getattr(tokenizer, "chat_template", None))
-        prompts = [prompt_ids(tokenizer, t, chat=chat) for t in load_prompts(None, args.num_prompts)]
+        prompts = [prompt_ids(tokenizer, t, chat=chat) for t in texts]
         if args.write_prompt_ids:
             args.write_prompt_ids.write_text(json.dumps(prompts))
             return Path(args.write_prompt_ids)
     print(f"{label} on {args.device}: capacity {engine.capacity}", flush=True)
     results: dict[str, list[dict[str, Any]]] = {}
-    if not 0 <= args.length_spread < 1:
-        raise SystemExit(f"--length-spread {args.length_spread}: use a fraction in [0, 1)")
-    if args.request_rate is not None and args.request_rate <= 0:
-        raise SystemExit(f"--request-rate {args.request_rate}: use requests a second > 0")
     size = LevelSize(args.requests_per_client, args.min_requests, args.length_spread, args.request_rate)
     for temperature in args.temperatures:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, end_id=IGNORE_END)
