@@ -16,7 +16,8 @@ random weights in that model's shape (output speed does not depend on the weight
 prompts keep their token counts.
 Writes <output>/load-<label>-<device>-<date>.json and a PNG of throughput and TTFT against concurrency.
 With several --engine, each is swept in turn (one loaded at a time) and the speed-up of each over the first
-(the plain engine) is printed and plotted against concurrency (speedup.py): <output>/speedup-<device>-<date>.png.
+(the plain engine) is printed and plotted against concurrency (speedup.py):
+<output>/speedup-<first engine>-<device>-<date>.png.
 """
 
 from __future__ import annotations
@@ -544,7 +545,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(paths) > 1:
         from pipeline.bench import speedup
 
-        name = f"speedup-{device_tag(torch.device(args.device))}-{datetime.date.today().isoformat()}.png"
+        name = (
+            f"speedup-{engines[0].name}-{device_tag(torch.device(args.device))}-{datetime.date.today().isoformat()}.png"
+        )
         methods = [f"{folder.name}={path}" for folder, path in zip(engines[1:], paths[1:])]
         speedup.main(
             ["--plain", str(paths[0]), *(a for m in methods for a in ("--method", m))]
