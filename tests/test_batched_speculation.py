@@ -279,7 +279,7 @@ def first_token_frequencies(broken: bool = False) -> tuple[torch.Tensor, torch.T
         probs = torch.softmax(logits / TEMPERATURE, -1)
         coin = torch.rand(ROWS, tier.num_nodes, generator=gen) < probs[0, tokens[0]][None]
         nxt = torch.where(coin, tokens, nxt)  # the root's children accepted by their own coins
-    _, _, out = accept_rows(tier, tokens, nxt, valid)
+    _, _, out = accept_rows(tier, tokens, nxt, valid, tier.trees)
     want = torch.softmax(logits[0].double() / TEMPERATURE, -1)
     return torch.bincount(out[:, 0], minlength=VOCAB).double() / ROWS, want
 

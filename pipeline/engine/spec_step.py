@@ -81,7 +81,6 @@ class Tier:
 
     name: str
     tree: TreeBuffers
-    paths: torch.Tensor  # [T, depth + 1] node indices root .. node, padded with the node
     levels: tuple[Level, ...]  # the nodes at each depth 1 .. depth
     node_ids: torch.Tensor  # [T] 0 .. T - 1
     trees: Trees  # the static tree's, for every row
@@ -121,7 +120,6 @@ class Tier:
         return cls(
             name,
             tree,
-            paths,
             tuple(levels),
             torch.arange(len(parents), device=device),
             Trees(tree.depths[None], tree.parents.clamp(min=0)[None], paths[None], tree.mask[None]),
@@ -393,14 +391,13 @@ class SpecStep(BatchStep):
 
 
 def accept_rows(
-    tier: Tier, tokens: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, trees: Trees | None = None
+    tier: Tier, tokens: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor, trees: Trees
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's longest path of drafts that the target itself emits: node i is accepted when its token
     is nxt at its parent (and so are its ancestors). With nxt the argmax this is exact greedy decoding;
     with nxt the target's own seeded draws it is lossless sampling whose output is plain sampling's.
-    tokens, nxt, valid [B, T] (trees: the rows' own, else the tier's) -> (path [B, depth + 1], accepted
+    tokens, nxt, valid [B, T], trees: the rows' (a static tier's: tier.trees) -> (path [B, depth + 1], accepted
     count [B], tokens [B, depth + 1]: the accepted drafts, then the target's token after the last of them)."""
-    trees = tier.trees if trees is None else trees
     rows, t = tokens.shape
     ok = (tokens == nxt.gather(1, trees.parent_or_root.expand(rows, t))) & valid
     ok[:, 0] = True
