@@ -20,7 +20,7 @@ import torch
 from conftest import convert_and_build
 
 from pipeline.convert.tiny import make_random_eagle, make_random_eagle3, make_random_medusa
-from pipeline.engine.adaptive import AdaptiveConfig, TierController
+from pipeline.engine.adaptive import AdaptiveConfig, RequestAcceptance, TierController
 from pipeline.engine.kernels.routing import TORCH_TOPK
 from pipeline.engine.runner import Engine, SamplingParams
 from pipeline.engine.sampling import sample_rows
@@ -342,7 +342,7 @@ def test_the_plain_step_after_a_drafting_step_is_charged_to_the_drafting_tier():
 def test_a_drafting_tier_that_delivers_less_than_its_estimate_gives_way_to_another():
     """The estimate (acceptance over cost) says chain1 beats chain2; what chain1's steps delivered says not."""
     tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
-    controller = TierController(tiers, AdaptiveConfig(explore_every=10**6, window_warmup=0))
+    controller = TierController(tiers, AdaptiveConfig(explore_every=10**6, window_warmup=0, probe_rows=0))
     chain2 = controller.names.index("chain2")
     controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 1.2] + [10.0] * (len(tiers) - 2)
     controller.ratio[4][chain2] = 1.5
@@ -354,12 +354,50 @@ def test_a_drafting_tier_that_delivers_less_than_its_estimate_gives_way_to_anoth
     assert controller.choose(4, 4, 4) == chain2
 
 
+def test_every_tier_runs_on_a_few_rows_before_the_tiers_are_ranked():
+    """A tree accepts more than a chain's acceptance would suggest: no tier is ranked before each has run on
+    probe_rows drafting rows, and a window with probing steps in it is not measured (the probes' one-time
+    cost is not drafting's); then the tier that accepted most for its cost leads."""
+    tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
+    controller = TierController(tiers, AdaptiveConfig(explore_every=10**6, window_warmup=0))
+    controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 1.5, 1.7, 1.8]
+    tree = controller.names.index("tree4")
+    gain = {1: 0, 2: 0, tree: 2}  # accepted tokens a row
+    probed = []
+    while controller.probing() is not None:
+        index = controller.choose(4, 4, 4)
+        probed.append(index)
+        controller.observe(index, [gain[index]] * 4)
+    assert probed == [1, 2, tree] * 2  # in turn, 4 rows a step, until each has run on 8
+    assert controller.window is not None and controller.window.drafting and not controller.window.measured
+    assert controller.choose(4, 4, 4) == tree
+
+
+def test_a_request_accepting_little_pauses_and_is_judged_afresh_on_new_steps():
+    """Below the cutoff over request_min_steps drafting steps, a request drafts nothing for request_pause
+    steps; after the pause one rejected step alone does not pause it again."""
+    cfg = AdaptiveConfig()
+    request, step = RequestAcceptance(), 0
+    for _ in range(cfg.request_min_steps - 1):
+        request.update(0, step, cfg)
+        step += 1
+        assert request.drafts(step)
+    request.update(0, step, cfg)
+    assert not request.drafts(step + cfg.request_pause - 1) and request.drafts(step + cfg.request_pause)
+    step += cfg.request_pause
+    request.update(0, step, cfg)
+    for accepted in [2] * (cfg.request_min_steps - 1):
+        request.update(accepted, step, cfg)
+        step += 1
+    assert request.drafts(step) and request.mean > cfg.request_cutoff
+
+
 def test_idle_time_ends_a_window_unmeasured_and_plain_steps_say_why():
     """A window open when the last request leaves ends without a rate (the wait for the next request is
     neither mode's), and the controller counts its plain steps by why."""
     tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
     now = [0.0]
-    controller = TierController(tiers, AdaptiveConfig(explore_every=10**6), clock=lambda: now[0])
+    controller = TierController(tiers, AdaptiveConfig(explore_every=10**6, probe_rows=0), clock=lambda: now[0])
     controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 1.5] + [10.0] * (len(tiers) - 2)
     steps = controller.config.window_steps
     for _ in range(steps):  # the bucket's warm-up window: plain, unmeasured
@@ -387,7 +425,8 @@ def test_a_bucket_runs_the_mode_whose_windows_delivered_more():
     bucket's tokens; drafting windows draft in every step."""
     tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
     now = [0.0]
-    controller = TierController(tiers, AdaptiveConfig(explore_every=10**6, window_margin=0.0), clock=lambda: now[0])
+    config = AdaptiveConfig(explore_every=10**6, window_margin=0.0, probe_rows=0)
+    controller = TierController(tiers, config, clock=lambda: now[0])
     controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 3.0] + [10.0] * (len(tiers) - 2)
     controller.accepted[1] = 0.5  # the estimate says plain wins: 1.5 tokens a row in 3 s against 1 in 1 s
     steps, loss = controller.config.window_steps, controller.config.window_loss
@@ -444,7 +483,7 @@ def test_a_modes_rate_weighs_its_windows_by_their_time():
     with the prompt chunks prefilled in it."""
     tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
     now = [0.0]
-    config = AdaptiveConfig(explore_every=10**6, window_warmup=0, window_steps=2)
+    config = AdaptiveConfig(explore_every=10**6, window_warmup=0, window_steps=2, probe_rows=0)
     controller = TierController(tiers, config, clock=lambda: now[0])
     controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0] * len(tiers)
     for seconds, prefills in [(1.0, 0), (0.5, 0), (3.0, 2), (0.5, 0)]:  # drafting, plain, drafting, plain

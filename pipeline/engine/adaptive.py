@@ -18,13 +18,15 @@ the bucket's speed.
 Which drafting tier: for a step of B drafting rows in batch bucket b, tier t is worth (B + sum of the rows'
 expected accepted tokens under t) / cost[b][t]. A bucket's cost is its plain step's time, kept current from
 every plain step, times each tier's ratio to it: measured when the bucket is first used (the graphs are
-captured then anyway) and kept current from the steps that run. Expected acceptance comes from each tier's
-running mean of accepted tokens per drafting row; a tier not run yet is estimated from the running
-per-depth acceptance (P(depth d accepted | depth d - 1 was)), the chain's expectation at its depth. Every
-tier within reach is re-run now and then so that its estimate stays current. The plain step right after a
-drafting step is queued behind no other and catches the drafter up on every accepted token: what it costs
-past a plain step counts as the drafting step's. A tier that has run in a bucket is credited at most the
-tokens a row a second it delivered there (that time included), whatever the estimate says.
+captured then anyway) and kept current from the steps that run. Expected acceptance is each tier's running
+mean of accepted tokens per drafting row. No tier is ranked before every tier has run on a few rows (a
+tree accepts more than any guess from a chain's acceptance would say, and the first drafting windows
+probe them in turn; a window with a probing step in it is not measured, so the probes'
+one-time cost does not count against drafting). Every tier within reach is re-run now and then so that its
+estimate stays current. The plain step right after a drafting step is queued behind no other and catches
+the drafter up on every accepted token: what it costs past a plain step counts as the drafting step's. A
+tier that has run in a bucket is credited at most the tokens a row a second it delivered there (that time
+included), whatever the estimate says.
 """
 
 from __future__ import annotations
@@ -56,16 +58,16 @@ class AdaptiveConfig:
     # tier's name: always that tier.
     policy: str = "adaptive"
     acceptance_weight: float = 0.05  # weight of a step's acceptance in the running means
-    # A tier's first rows are averaged with its estimate from the per-depth acceptance counted as this many
-    # rows, so that one unlucky step does not rule the tier out for good.
-    prior_rows: int = 8
+    # Drafting rows each tier runs before tiers are ranked (its first rows' plain mean is its estimate, so
+    # that one unlucky step does not rule a tier out for good).
+    probe_rows: int = 8
     cost_weight: float = 0.1  # weight of a step's measured time in the cost table
-    prior_acceptance: float = 0.6  # per-depth acceptance assumed before any step has run
     explore_every: int = 64  # steps between re-runs of a tier that is not the best
     explore_within: float = 0.7  # ... that is expected to reach at least this share of the best's speed
     calibration_runs: int = 3  # timed runs per (bucket, tier) when a bucket is first used
-    # A request whose running mean of accepted tokens a drafting step falls below request_cutoff (after
-    # request_min_steps steps) drafts nothing for request_pause steps; its mean moves by request_weight.
+    # A request whose running mean of accepted tokens a drafting step falls below request_cutoff (over at
+    # least request_min_steps drafting steps since it was last judged) drafts nothing for request_pause
+    # steps; its mean moves by request_weight.
     request_cutoff: float = 0.25
     request_min_steps: int = 16
     request_pause: int = 64
@@ -84,6 +86,26 @@ class AdaptiveConfig:
     # Drafting windows' rates are compared after division by 1 + window_margin: part of drafting's cost falls
     # outside its windows (BENCHMARKS §4).
     window_margin: float = 0.1
+
+
+@dataclass
+class RequestAcceptance:
+    """One request's running acceptance: below the cutoff it drafts nothing for a while, then is judged
+    afresh on new drafting steps (not on its first one alone)."""
+
+    mean: float = 0.0  # accepted tokens a drafting step, over the steps since it was last judged
+    steps: int = 0  # ... that many
+    paused_until: int = 0  # the controller step before which the request drafts nothing
+
+    def drafts(self, step: int) -> bool:
+        return step >= self.paused_until
+
+    def update(self, accepted: int, step: int, cfg: AdaptiveConfig) -> None:
+        """A drafting step at controller step `step` accepted `accepted` of its drafts."""
+        self.mean = accepted if self.steps == 0 else moved(self.mean, accepted, cfg.request_weight)
+        self.steps += 1
+        if self.steps >= cfg.request_min_steps and self.mean < cfg.request_cutoff:
+            self.paused_until, self.steps = step + cfg.request_pause, 0
 
 
 HISTORY_WINDOWS = 1024  # closed windows kept for observability (TierController.history)
@@ -110,7 +132,6 @@ class TierController:
     plain_cost: dict[int, float] = field(default_factory=dict)  # bucket -> seconds a plain step
     ratio: dict[int, list[float]] = field(default_factory=dict)  # bucket -> each tier's cost / plain's
     accepted: list[float | None] = field(default_factory=list)  # per tier: mean accepted tokens a drafting row
-    depth_acceptance: list[float] = field(default_factory=list)  # P(depth d accepted | d - 1 was), d = 1..
     steps: int = 0
     last_run: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, tier) -> step it last ran
     chosen: dict[int, int] = field(default_factory=dict)  # tier index -> steps it ran (observability)
@@ -134,7 +155,6 @@ class TierController:
 
     def __post_init__(self) -> None:
         self.accepted = [0.0] + [None] * (len(self.tiers) - 1)
-        self.depth_acceptance = [self.config.prior_acceptance] * max(t.depth for t in self.tiers)
         if self.config.policy not in POLICIES and self.config.policy not in self.names:
             raise UserError(
                 f"--speculation {self.config.policy!r}: use {', '.join(POLICIES)}, or a tier: {', '.join(self.names)}"
@@ -172,17 +192,13 @@ class TierController:
         return [self.plain_cost[bucket] * r for r in self.ratio[bucket]]
 
     def expected(self, index: int) -> float:
-        """Accepted tokens a drafting row is expected to gain from tier `index`."""
-        seen = self.accepted[index]
-        return self.from_depths(index) if seen is None else seen
+        """Accepted tokens a drafting row is expected to gain from tier `index` (0 before it has run)."""
+        return self.accepted[index] or 0.0
 
-    def from_depths(self, index: int) -> float:
-        """Tier `index`'s expectation from the per-depth acceptance (a chain's at the tier's depth)."""
-        total, reach = 0.0, 1.0
-        for d in range(self.tiers[index].depth):
-            reach *= self.depth_acceptance[d]
-            total += reach
-        return total
+    def probing(self) -> int | None:
+        """The tier to probe next: the one that has run on fewest rows, if that is under probe_rows."""
+        least = min(range(1, len(self.tiers)), key=lambda i: self.rows_seen.get(i, 0))
+        return least if self.rows_seen.get(least, 0) < self.config.probe_rows else None
 
     def choose(self, bucket: int, rows: int, drafting: int) -> int:
         """The tier for a step of `rows` rows (in `bucket`), `drafting` of which may accept drafts."""
@@ -199,6 +215,11 @@ class TierController:
         window = self._window(bucket)
         if not window.drafting:
             return self._plain("plain window" if window.measured else "warm-up window")
+        probe = self.probing()
+        if probe is not None:
+            window.measured = False
+            self.last_run[(bucket, probe)] = self.steps
+            return probe
         costs = self.costs(bucket)
         speed = [(rows + drafting * self.expected(i)) / costs[i] for i in range(len(self.tiers))]
         for i in range(1, len(speed)):  # a tier that has run here is worth at most what it delivered
@@ -334,14 +355,5 @@ class TierController:
         if not accepted or index == 0:
             return
         rows = self.rows_seen[index] = self.rows_seen.get(index, 0) + len(accepted)
-        w = max(self.config.acceptance_weight, len(accepted) / (self.config.prior_rows + rows))
-        mean = sum(accepted) / len(accepted)
-        seen = self.expected(index)
-        self.accepted[index] = moved(seen, mean, w)
-        tier = self.tiers[index]
-        if tier.name.startswith("chain"):  # a chain's per-depth acceptance is its top-1 path's
-            for d in range(tier.depth):
-                reached = [n for n in accepted if n >= d]
-                if reached:
-                    rate = sum(1 for n in reached if n > d) / len(reached)
-                    self.depth_acceptance[d] = moved(self.depth_acceptance[d], rate, self.config.acceptance_weight)
+        w = max(self.config.acceptance_weight, len(accepted) / rows)
+        self.accepted[index] = moved(self.accepted[index], sum(accepted) / len(accepted), w)

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.engine.adaptive import POLICIES, TIER_NAME, AdaptiveConfig, TierController
+from pipeline.engine.adaptive import POLICIES, TIER_NAME, AdaptiveConfig, RequestAcceptance, TierController
 from pipeline.engine.kv_cache import BlockPool, CacheBudget
 from pipeline.engine.readback import Pending, Readback
 from pipeline.engine.request import ChunkQueue, GenerationResult, RequestStream, StopChecker, StreamChunk
@@ -140,8 +140,7 @@ class Request:
     worst_blocks: int = 0  # blocks the request may come to hold
     cancelled: bool = False
     drafts: np.ndarray | None = None  # a speculative step's draft input for this row (spec_step.DRAFT_COUNT ...)
-    accepted_mean: float | None = None  # running mean of draft tokens accepted a drafting step
-    paused_until: int = 0  # the controller step before which this request drafts nothing (low acceptance)
+    acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)  # paused while low
     # Accepted tokens its proposer has yet to take in (speculative steps), at most: one more after each plain
     # step that deferred its catch-up, 1 after one that caught up, the most possible after a drafting step
     # not read yet.
@@ -482,7 +481,7 @@ class Scheduler:
             tokens.append(row[: n + 1])
             if on:
                 accepted.append(n)
-                self._track(r, n, controller)
+                r.acceptance.update(n, controller.steps, controller.config)
         bucket = spec.bucket(len(inflight.rows))
         if seconds is not None and rows:
             controller.timed_drafting(bucket, inflight.tier, seconds, sum(len(t) for t in tokens) / len(rows))
@@ -497,16 +496,7 @@ class Scheduler:
 
     def _drafts(self, r: Request, step: int) -> bool:
         """Whether a request drafts this step: it did not opt out, and its acceptance is not paused."""
-        return r.params.speculative and step >= r.paused_until
-
-    def _track(self, r: Request, accepted: int, controller: TierController) -> None:
-        """A request's running acceptance; below the cutoff it drafts nothing for a while."""
-        cfg = controller.config
-        mean = r.accepted_mean
-        r.accepted_mean = accepted if mean is None else mean + cfg.request_weight * (accepted - mean)
-        if r.stats.steps >= cfg.request_min_steps and r.accepted_mean < cfg.request_cutoff:
-            r.paused_until = controller.steps + cfg.request_pause
-            r.accepted_mean = None
+        return r.params.speculative and r.acceptance.drafts(step)
 
     def calibrate(self, bucket: int | None = None, sampled: bool = False) -> None:
         """Measure a batch bucket's tiers (None: every bucket's) now, at load, rather than at its first step;
