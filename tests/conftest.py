@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from pipeline.builder.build import BuildOptions, build_engine
-from pipeline.client import client
 from pipeline.convert.convert import DraftInputs, convert
 from pipeline.convert.source import TargetSource, load_hf_model, load_target
 from pipeline.convert.tiny import make_tiny_model
@@ -82,6 +81,8 @@ TEST_REQUEST_TIMEOUT_S = 180.0
 
 @pytest.fixture(scope="session", autouse=True)
 def _request_timeout() -> Iterator[None]:
+    from pipeline.client import client  # here: the GPU check scripts import this file without tritonclient
+
     saved, client.REQUEST_TIMEOUT_S = client.REQUEST_TIMEOUT_S, TEST_REQUEST_TIMEOUT_S
     yield
     client.REQUEST_TIMEOUT_S = saved

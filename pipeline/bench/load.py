@@ -586,6 +586,9 @@ def run(args: argparse.Namespace) -> Path:
             args.write_prompt_ids.write_text(json.dumps(prompts))
             return Path(args.write_prompt_ids)
     print(f"{label} on {args.device}: capacity {engine.capacity}", flush=True)
+    batch = engine.capacity["max_batch_size"]
+    if max(levels) > batch:
+        print(f"note: levels over {batch} requests queue the rest (--max-batch-size N runs more)", flush=True)
     results: dict[str, list[dict[str, Any]]] = {}
     size = LevelSize(args.requests_per_client, args.min_requests, args.length_spread, args.request_rate)
     for temperature in args.temperatures:

@@ -44,6 +44,9 @@ from pipeline.engine.step import BatchStep
 from pipeline.engine.tree import DraftTree
 
 WARMUP_NEW_TOKENS = 8
+# Rows a step runs at least on CUDA when serving sets no --max-batch-size: an engine's build value (8 by
+# default, sized for a CPU) would leave a GPU queueing requests it could batch.
+CUDA_MAX_BATCH_SIZE = 64
 # Greedy steps queued between host reads on CUDA (plain, EAGLE and Medusa): streaming then arrives
 # in groups of this many steps, and an end id costs at most the steps of two groups (the one read and
 # the one queued behind it), discarded.
@@ -139,7 +142,10 @@ class Engine:
             lambda hidden: argmax_rows(self.target.logits(hidden)), None if self.device.type == "cuda" else False
         )
         self.readback = Readback()  # host copies of queued steps
-        self.max_batch_size = serving.max_batch_size or limits.max_batch_size
+        default = (
+            max(limits.max_batch_size, CUDA_MAX_BATCH_SIZE) if self.device.type == "cuda" else limits.max_batch_size
+        )
+        self.max_batch_size = serving.max_batch_size or default
         self.pool: BlockPool | None = None
         step = None
         if self.batched:
