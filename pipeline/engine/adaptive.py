@@ -19,14 +19,13 @@ Which drafting tier: for a step of B drafting rows in batch bucket b, tier t is 
 expected accepted tokens under t) / cost[b][t]. A bucket's cost is its plain step's time, kept current from
 every plain step, times each tier's ratio to it: measured when the bucket is first used (the graphs are
 captured then anyway) and kept current from the steps that run. Expected acceptance is each tier's running
-mean of accepted tokens per drafting row. No tier is ranked before every tier has run on a few rows (a
-tree accepts more than any guess from a chain's acceptance would say, and the first drafting windows
-probe them in turn; a window with a probing step in it is not measured, so the probes'
-one-time cost does not count against drafting). Every tier within reach is re-run now and then so that its
-estimate stays current. The plain step right after a drafting step is queued behind no other and catches
-the drafter up on every accepted token: what it costs past a plain step counts as the drafting step's. A
-tier that has run in a bucket is credited at most the tokens a row a second it delivered there (that time
-included), whatever the estimate says.
+mean of accepted tokens per drafting row, and no tier is ranked before every tier has run on a few rows:
+the first drafting windows probe them in turn (a tree's acceptance is not predictable from a chain's), and a
+window with a probing step in it is not measured, so that the probes' one-time cost does not count against
+drafting. Every tier within reach is re-run now and then so that its estimate stays current. The plain step
+right after a drafting step is queued behind no other and catches the drafter up on every accepted token:
+what it costs past a plain step counts as the drafting step's. A tier that has run in a bucket is credited
+at most the tokens a row a second it delivered there (that time included), whatever the estimate says.
 """
 
 from __future__ import annotations
@@ -91,7 +90,7 @@ class AdaptiveConfig:
 @dataclass
 class RequestAcceptance:
     """One request's running acceptance: below the cutoff it drafts nothing for a while, then is judged
-    afresh on new drafting steps (not on its first one alone)."""
+    afresh over request_min_steps new drafting steps."""
 
     mean: float = 0.0  # accepted tokens a drafting step, over the steps since it was last judged
     steps: int = 0  # ... that many
