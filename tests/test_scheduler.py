@@ -18,7 +18,7 @@ from conftest import convert_and_build
 from pipeline.engine.kv_cache import CacheBudget
 from pipeline.engine.readback import Pending, Readback
 from pipeline.engine.request import ChunkQueue, StreamChunk, StreamClosed
-from pipeline.engine.runner import Engine
+from pipeline.engine.runner import CUDA_MAX_BATCH_SIZE, Engine, default_batch_size
 from pipeline.engine.sampling import (
     UNIFORM_BITS,
     EngineBusy,
@@ -195,6 +195,16 @@ def test_the_stream_interval_groups_tokens_and_keeps_them(engine_dir, engine):
     # A tier's name is checked against the engine's tiers when it loads; anything else when the option is read.
     with pytest.raises(UserError, match="--speculation 'tree 16': use adaptive, off, full, or a tier's name"):
         SchedulerConfig(speculation="tree 16")
+
+
+def test_a_cuda_engine_batches_at_least_64_rows_unless_serving_says_otherwise(engine_dir):
+    """An engine built with the CPU-sized default (8) would leave a GPU queueing requests it could batch."""
+    assert default_batch_size(8, torch.device("cuda")) == CUDA_MAX_BATCH_SIZE == 64
+    assert default_batch_size(128, torch.device("cuda")) == 128
+    assert default_batch_size(8, torch.device("cpu")) == 8
+    built = Engine.from_dir(engine_dir).capacity["max_batch_size"]  # on this CPU: the build value
+    assert built == default_batch_size(built, torch.device("cpu"))
+    assert Engine.from_dir(engine_dir, serving=SchedulerConfig(max_batch_size=3)).capacity["max_batch_size"] == 3
 
 
 def test_more_requests_than_blocks_queue_and_complete(tiny_llama_dir, tmp_path, engine):

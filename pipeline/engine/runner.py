@@ -59,6 +59,12 @@ RUN_AHEAD_STEPS = 8  # a few steps: the first step of each graph size compiles a
 # (the device idles until the host queues more). Medusa: 5.5 past the end against 0.0 (0.9 such reads).
 QUEUE_SHARE = 0.5
 
+
+def default_batch_size(built: int, device: torch.device) -> int:
+    """Rows a step runs when serving sets none: the engine's build value, on CUDA at least CUDA_MAX_BATCH_SIZE."""
+    return max(built, CUDA_MAX_BATCH_SIZE) if device.type == "cuda" else built
+
+
 # A speculative proposer's batched form, made once the pool's size is known:
 # (pool blocks, block size, proposer-state rows, max tree nodes) -> BatchProposer.
 RowsFactory = Callable[[int, int, int, int], BatchProposer]
@@ -142,10 +148,7 @@ class Engine:
             lambda hidden: argmax_rows(self.target.logits(hidden)), None if self.device.type == "cuda" else False
         )
         self.readback = Readback()  # host copies of queued steps
-        default = (
-            max(limits.max_batch_size, CUDA_MAX_BATCH_SIZE) if self.device.type == "cuda" else limits.max_batch_size
-        )
-        self.max_batch_size = serving.max_batch_size or default
+        self.max_batch_size = serving.max_batch_size or default_batch_size(limits.max_batch_size, self.device)
         self.pool: BlockPool | None = None
         step = None
         if self.batched:
