@@ -38,7 +38,7 @@ from pipeline.engine.model import (
 )
 from pipeline.engine.spec_step import Chunk, Drafting, Tier, Trees, Verified
 from pipeline.engine.speculative import StepInput, TargetPass
-from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree, select_trees
+from pipeline.engine.tree import Candidates, DraftTree, TreeBuffers, select_tree, select_trees
 
 
 class EagleNet(Drafter, nn.Module):
@@ -305,43 +305,25 @@ class EagleProposer:
         assert cfg is not None
         k = cfg.top_k
         score, token = (t[0] for t in self.net.top_logp(root_hidden, k))
-        cand_tokens, cand_scores = [token], [score]
-        cand_parents = [torch.full((k,), -1, device=device)]
-        cand_depths = [torch.ones(k, dtype=torch.long, device=device)]
+        cands = Candidates.of_root(token, score)
         frontier = self._topk(score, width)[1]  # candidate ids
         frontier_hidden = root_hidden.expand(width, -1)
-        rows = torch.zeros(
-            width, self.tree_slots, dtype=torch.bool, device=device
-        )  # tree slots each frontier node sees
+        rows = torch.zeros(width, self.tree_slots, dtype=torch.bool, device=device)  # tree slots each node sees
         own = torch.eye(width, dtype=torch.bool, device=device)
-        total = k
         for depth in range(1, cfg.depth):
             lo = (depth - 1) * width
             rows = torch.cat([rows[:, :lo], own, rows[:, lo + width :]], dim=1)
             out = self._draft(
-                torch.cat(cand_tokens)[frontier], frontier_hidden, length, depth, lo + self.width_offsets, rows
+                torch.cat(cands.tokens)[frontier], frontier_hidden, length, depth, lo + self.width_offsets, rows
             )
             child_logp, child_token = self.net.top_logp(out, k)  # [width, k]
-            child_score = (torch.cat(cand_scores)[frontier][:, None] + child_logp).flatten()
-            cand_tokens.append(child_token.flatten())
-            cand_scores.append(child_score)
-            cand_parents.append(frontier.repeat_interleave(k))
-            cand_depths.append(torch.full((width * k,), depth + 1, device=device))
+            child_score = (torch.cat(cands.scores)[frontier][:, None] + child_logp).flatten()
+            first = cands.add(child_token.flatten(), frontier.repeat_interleave(k), child_score)
             best = self._topk(child_score, width)[1]  # positions among this depth's children
-            frontier = total + best
+            frontier = first + best
             frontier_hidden = out[best // k]
             rows = rows[best // k]
-            total += width * k
-        return select_tree(
-            self.root,
-            torch.cat(cand_tokens),
-            torch.cat(cand_parents),
-            torch.cat(cand_depths),
-            torch.cat(cand_scores),
-            self.max_draft_len,
-            cfg.depth,
-            self._topk,
-        )
+        return select_tree(self.root, *cands.joined(), self.max_draft_len, cfg.depth, self._topk)
 
     def _topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.net.drafter.topk(x, k)
@@ -476,13 +458,11 @@ class EagleRows:
         width = min(cfg.top_k, cfg.max_non_leaves_per_layer)
         lengths, own = rows.lengths[:, None], torch.arange(width, device=root_hidden.device)
         score, token = self.net.top_logp(root_hidden, k)  # [B, k]: the depth-1 candidates
-        cand_tokens, cand_scores = [token], [score]
-        cand_parents, cand_depths = [torch.full_like(token, -1)], [torch.ones_like(token)]
+        cands = Candidates.of_root(token, score)
         frontier = self.net.drafter.topk(score, width)[1]  # [B, width] candidate ids
         frontier_score, frontier_token = score.gather(1, frontier), token.gather(1, frontier)
         hidden = root_hidden[:, None].expand(b, width, hidden_size)  # each frontier node's parent's output
         ancestors = frontier.new_zeros(b, width, 0)  # sequence offsets past the root of its drafted ancestors
-        total = k
         for depth in range(1, cfg.depth):
             offsets = torch.cat([ancestors, ((depth - 1) * width + own)[None, :, None].expand(b, -1, 1)], dim=2)
             out = self._forward(
@@ -498,23 +478,16 @@ class EagleRows:
             )
             logp, child = (t.view(b, width * k) for t in self.net.top_logp(out.reshape(b * width, -1), k))
             child_score = (frontier_score[:, :, None] + logp.view(b, width, k)).flatten(1)
-            cand_tokens.append(child)
-            cand_scores.append(child_score)
-            cand_parents.append(frontier.repeat_interleave(k, dim=1))
-            cand_depths.append(torch.full_like(child, depth + 1))
+            first = cands.add(child, frontier.repeat_interleave(k, dim=1), child_score)
             best = self.net.drafter.topk(child_score, width)[1]  # [B, width] among this depth's children
             parent = best // k  # the frontier node each expands
-            frontier = total + best
+            frontier = first + best
             frontier_score, frontier_token = child_score.gather(1, best), child.gather(1, best)
             hidden = out.gather(1, parent[:, :, None].expand(-1, -1, hidden_size))
             ancestors = offsets.gather(1, parent[:, :, None].expand(-1, -1, depth))
-            total += width * k
         tokens, parents, depths, paths = select_trees(
             rows.roots,
-            torch.cat(cand_tokens, 1),
-            torch.cat(cand_parents, 1),
-            torch.cat(cand_depths, 1),
-            torch.cat(cand_scores, 1),
+            *cands.joined(),
             tier.num_nodes,
             tier.depth,
             self.net.drafter.topk,

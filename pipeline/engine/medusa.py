@@ -21,7 +21,7 @@ from pipeline.engine.kernels.routing import drafter_kernels
 from pipeline.engine.model import SUPPORTED_ACTIVATIONS, Linear
 from pipeline.engine.spec_step import Chunk, Drafting, Tier, Trees, Verified
 from pipeline.engine.speculative import StepInput, TargetPass
-from pipeline.engine.tree import DraftTree, TreeBuffers, select_tree, select_trees
+from pipeline.engine.tree import Candidates, DraftTree, TreeBuffers, select_tree, select_trees
 
 
 class ResBlock(nn.Module):
@@ -153,30 +153,14 @@ class MedusaProposer:
         see only the root's hidden state, so every parent gets the same ones); the `width` best of a depth
         are the next frontier, as in EAGLE-2, and select_tree keeps the max_draft_len best of all."""
         logp, token = self.top_logp()  # [depth, k]
-        k, width, device = self.top_k, self.width, logp.device
-        cand_tokens, cand_scores = [token[0]], [logp[0]]
-        cand_parents = [torch.full((k,), -1, device=device)]
-        cand_depths = [torch.ones(k, dtype=torch.long, device=device)]
+        k, width = self.top_k, self.width
+        cands = Candidates.of_root(token[0], logp[0])
         frontier = self._topk(logp[0], width)[1]
-        total = k
         for depth in range(1, len(self.heads)):
-            child_score = (torch.cat(cand_scores)[frontier][:, None] + logp[depth]).flatten()  # [width * k]
-            cand_tokens.append(token[depth].repeat(width))
-            cand_scores.append(child_score)
-            cand_parents.append(frontier.repeat_interleave(k))
-            cand_depths.append(torch.full((width * k,), depth + 1, device=device))
-            frontier = total + self._topk(child_score, width)[1]
-            total += width * k
-        return select_tree(
-            self.root,
-            torch.cat(cand_tokens),
-            torch.cat(cand_parents),
-            torch.cat(cand_depths),
-            torch.cat(cand_scores),
-            self.max_draft_len,
-            len(self.heads),
-            self._topk,
-        )
+            child_score = (torch.cat(cands.scores)[frontier][:, None] + logp[depth]).flatten()  # [width * k]
+            first = cands.add(token[depth].repeat(width), frontier.repeat_interleave(k), child_score)
+            frontier = first + self._topk(child_score, width)[1]
+        return select_tree(self.root, *cands.joined(), self.max_draft_len, len(self.heads), self._topk)
 
     def update(
         self,
@@ -238,26 +222,14 @@ class MedusaRows:
         logp, token = F.log_softmax(logits.float(), dim=-1).topk(cfg.top_k, dim=-1)  # [B, depth, k]
         k = cfg.top_k
         width = min(cfg.top_k, cfg.max_non_leaves_per_layer)
-        scores = logp[:, 0]  # every candidate's path log-probability so far, by candidate id
-        cand_tokens, cand_parents = [token[:, 0]], [torch.full_like(token[:, 0], -1)]
-        cand_depths = [torch.ones_like(token[:, 0])]
-        frontier = scores.topk(width)[1]  # [B, width] candidate ids
+        cands = Candidates.of_root(token[:, 0], logp[:, 0])
+        frontier = logp[:, 0].topk(width)[1]  # [B, width] candidate ids
         for depth in range(1, tier.depth):
+            scores = torch.cat(cands.scores, 1)  # every candidate's path log-probability, by candidate id
             child_score = (scores.gather(1, frontier)[:, :, None] + logp[:, depth, None, :]).flatten(1)
-            cand_tokens.append(token[:, depth].repeat(1, width))
-            cand_parents.append(frontier.repeat_interleave(k, dim=1))
-            cand_depths.append(torch.full_like(child_score, depth + 1, dtype=torch.long))
-            frontier = scores.shape[1] + child_score.topk(width)[1]
-            scores = torch.cat([scores, child_score], dim=1)
-        tokens, parents, depths, paths = select_trees(
-            rows.roots,
-            torch.cat(cand_tokens, 1),
-            torch.cat(cand_parents, 1),
-            torch.cat(cand_depths, 1),
-            scores,
-            tier.num_nodes,
-            tier.depth,
-        )
+            first = cands.add(token[:, depth].repeat(1, width), frontier.repeat_interleave(k, dim=1), child_score)
+            frontier = first + child_score.topk(width)[1]
+        tokens, parents, depths, paths = select_trees(rows.roots, *cands.joined(), tier.num_nodes, tier.depth)
         return tokens, Trees.of(depths, parents, paths)
 
     def accepted(self, rows: Drafting, tier: Tier, result: Verified) -> None:

@@ -346,6 +346,40 @@ def chain_buffers(length: int, device: torch.device | str = "cpu") -> TreeBuffer
 DEPTH_TIE_BREAK = 1e-4
 
 
+@dataclass
+class Candidates:
+    """A dynamic tree's candidates depth by depth, along the last dimension (one row: [C]; B rows: [B, C]):
+    tokens, parents (candidate ids; -1: the root), depths and path log-probabilities, for select_tree(s)."""
+
+    tokens: list[torch.Tensor]
+    parents: list[torch.Tensor]
+    depths: list[torch.Tensor]
+    scores: list[torch.Tensor]
+
+    @classmethod
+    def of_root(cls, tokens: torch.Tensor, scores: torch.Tensor) -> Candidates:
+        """Depth 1: the root's children."""
+        return cls([tokens], [torch.full_like(tokens, -1)], [torch.ones_like(tokens)], [scores])
+
+    def add(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> int:
+        """The next depth's candidates; returns the first one's id (the candidates before them)."""
+        first = sum(t.shape[-1] for t in self.tokens)
+        self.tokens.append(tokens)
+        self.parents.append(parents)
+        self.depths.append(torch.full_like(tokens, len(self.depths) + 1))
+        self.scores.append(scores)
+        return first
+
+    def joined(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, parents, depths, scores) of every depth, as select_tree(s) takes them."""
+        return (
+            torch.cat(self.tokens, -1),
+            torch.cat(self.parents, -1),
+            torch.cat(self.depths, -1),
+            torch.cat(self.scores, -1),
+        )
+
+
 def select_tree(
     root: torch.Tensor,
     tokens: torch.Tensor,
