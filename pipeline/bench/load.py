@@ -548,11 +548,8 @@ def main(argv: list[str] | None = None) -> int:
         name = (
             f"speedup-{engines[0].name}-{device_tag(torch.device(args.device))}-{datetime.date.today().isoformat()}.png"
         )
-        methods = [f"{folder.name}={path}" for folder, path in zip(engines[1:], paths[1:])]
-        speedup.main(
-            ["--plain", str(paths[0]), *(a for m in methods for a in ("--method", m))]
-            + ["--output", str(args.output / name)]
-        )
+        methods = {folder.name: speedup.greedy_rows(path) for folder, path in zip(engines[1:], paths[1:])}
+        speedup.plot_speedups(speedup.greedy_rows(paths[0]), methods, args.output / name)
     return 0
 
 

@@ -43,12 +43,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--output", type=Path, required=True, help="the plot (PNG)")
     args = p.parse_args(argv)
-    plain = greedy_rows(args.plain)
     methods: dict[str, dict[int, dict[str, Any]]] = {}
     for m in args.method:
         name, _, spec = m.partition("=")
         path, _, key = spec.partition("#")
         methods.setdefault(name, {}).update(greedy_rows(Path(path), key))
+    plot_speedups(greedy_rows(args.plain), methods, args.output)
+    return 0
+
+
+def plot_speedups(
+    plain: dict[int, dict[str, Any]], methods: dict[str, dict[int, dict[str, Any]]], output: Path
+) -> None:
+    """Each method's rows (by concurrency) over plain's: printed, and drawn into `output`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,9 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(args.output, dpi=110)
-    print(f"wrote {args.output}")
-    return 0
+    fig.savefig(output, dpi=110)
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":
