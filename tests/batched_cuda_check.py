@@ -21,7 +21,7 @@ from conftest import convert_and_build  # noqa: E402
 from test_batched_speculation import CASES, mixed_requests, run_together, vocab_of  # noqa: E402
 
 from pipeline.convert.tiny import make_tiny_model  # noqa: E402
-from pipeline.engine.runner import Engine  # noqa: E402
+from pipeline.engine.loader import open_engine
 
 BATCHES = (1, 3, 5)
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cuda"
@@ -30,13 +30,13 @@ DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 def main() -> None:
     root = Path(tempfile.mkdtemp())
     target = make_tiny_model(root / "llama", arch="llama", seed=0)
-    plain = Engine.from_dir(convert_and_build(target, root / "plain"), device=DEVICE)
+    plain = open_engine(convert_and_build(target, root / "plain"), device=DEVICE)
     requests = mixed_requests(plain)
     want = [plain.generate(ids, params).token_ids for ids, params in requests]
     failed = []
     for case, make in sorted(CASES.items()):
         start = time.time()
-        engine = Engine.from_dir(convert_and_build(target, root / case, **make(root, vocab_of(target))), device=DEVICE)
+        engine = open_engine(convert_and_build(target, root / case, **make(root, vocab_of(target))), device=DEVICE)
         controller = engine.scheduler.controller
         assert controller is not None
         bad = []

@@ -22,6 +22,7 @@ from conftest import convert_and_build
 from pipeline.convert.tiny import make_random_eagle, make_random_eagle3, make_random_medusa
 from pipeline.engine.adaptive import AdaptiveConfig, RequestAcceptance, TierController
 from pipeline.engine.kernels.routing import TORCH_TOPK
+from pipeline.engine.loader import open_engine
 from pipeline.engine.runner import Engine, SamplingParams
 from pipeline.engine.sampling import sample_rows
 from pipeline.engine.scheduler import SchedulerConfig
@@ -62,7 +63,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama_dir: Path, tmp_path_factory) -> Engine:
-    return Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path_factory.mktemp("plain")))
+    return open_engine(convert_and_build(tiny_llama_dir, tmp_path_factory.mktemp("plain")))
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,7 @@ def run_together(engine: Engine, requests) -> list[list[int]]:
 def test_a_cpu_engine_knows_every_buckets_tier_costs_once_loaded(built):
     """Tiers are timed at load, not inside the first steps of each batch size: on 2 cores timing SmolLM2's
     tiers at 16 rows stalled a burst of 16 requests for seconds."""
-    engine = Engine.from_dir(built["eagle"])
+    engine = open_engine(built["eagle"])
     spec, controller = engine.scheduler.spec, engine.scheduler.controller
     assert spec is not None and controller is not None
     assert all(controller.calibrated(b) for b in spec.buckets)
@@ -111,14 +112,14 @@ def test_a_cpu_engine_knows_every_buckets_tier_costs_once_loaded(built):
 
 def test_a_tier_the_engine_lacks_is_refused_at_load_naming_its_tiers(built):
     with pytest.raises(UserError, match="--speculation 'tree99': use adaptive, off, full, or a tier: plain, chain1"):
-        Engine.from_dir(built["eagle"], serving=SchedulerConfig(speculation="tree99"))
+        open_engine(built["eagle"], serving=SchedulerConfig(speculation="tree99"))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_method_batched_is_plain_greedy_in_every_tier(case, built, plain):
     requests = mixed_requests(plain)
     want = [plain.generate(ids, params).token_ids for ids, params in requests]
-    engine = Engine.from_dir(built[case])
+    engine = open_engine(built[case])
     controller = engine.scheduler.controller
     assert controller is not None
     for policy in ["adaptive", *controller.names]:
@@ -130,7 +131,7 @@ def test_every_method_batched_is_plain_greedy_in_every_tier(case, built, plain):
 
 
 def test_a_tier_switch_in_the_middle_of_a_request_stays_exact(built, plain):
-    engine = Engine.from_dir(built["eagle"])
+    engine = open_engine(built["eagle"])
     controller = engine.scheduler.controller
     assert controller is not None
     ids, params = plain.tokenizer(PROMPTS[1]).input_ids, SamplingParams(max_tokens=40, end_id=-1)
@@ -146,7 +147,7 @@ def test_a_tier_switch_in_the_middle_of_a_request_stays_exact(built, plain):
 def test_drafting_steps_are_queued_before_the_step_before_is_read(built, plain):
     """A drafting step takes its rows' roots and cached lengths from the step before on the device, so it is
     queued before the host has read that step (whose accepted counts the host does not know yet)."""
-    engine = Engine.from_dir(built["eagle"], serving=SchedulerConfig(speculation="chain2"))
+    engine = open_engine(built["eagle"], serving=SchedulerConfig(speculation="chain2"))
     spec = engine.scheduler.spec
     assert spec is not None
     speculate, steps = spec.speculate, []
@@ -163,7 +164,7 @@ def test_drafting_steps_are_queued_before_the_step_before_is_read(built, plain):
 
 
 def test_an_opted_out_request_is_served_plainly_inside_a_speculative_batch(built, plain):
-    engine = Engine.from_dir(built["medusa"], serving=SchedulerConfig(speculation="tree8"))
+    engine = open_engine(built["medusa"], serving=SchedulerConfig(speculation="tree8"))
     requests = mixed_requests(plain)[:3]
     requests[1] = (requests[1][0], replace(requests[1][1], speculative=False))
     streams = [engine.stream(ids, params) for ids, params in requests]
@@ -185,7 +186,7 @@ def test_plain_steps_in_a_row_keep_the_eagle_draft_in_sync(built, plain):
     ids, params = plain.tokenizer(PROMPTS[2]).input_ids, SamplingParams(max_tokens=24, end_id=-1)
     caches, flags = [], []
     for allow in (True, False):
-        engine = Engine.from_dir(built["eagle"], serving=SchedulerConfig(speculation="off"))
+        engine = open_engine(built["eagle"], serving=SchedulerConfig(speculation="off"))
         spec = engine.scheduler.spec
         assert spec is not None
         decode = spec.decode
@@ -235,7 +236,7 @@ class OracleNet(torch.nn.Module):
 def test_oracle_eagle_accepts_full_depth_for_every_request_of_a_batch(case, tier, built, plain):
     """Each row's tree holds the oracle's path to full depth (a dynamic tier's: each row's own, picked by its
     draft scores), so every step accepts depth + 1 tokens for every request of the batch."""
-    engine = Engine.from_dir(built[case], serving=SchedulerConfig(speculation=tier))
+    engine = open_engine(built[case], serving=SchedulerConfig(speculation=tier))
     spec = engine.scheduler.spec
     assert spec is not None
     depth = spec.tiers[engine.scheduler.controller.names.index(tier)].depth
@@ -312,7 +313,7 @@ def test_sampled_output_is_plain_samplings_in_every_tier_and_batch(case, policie
     ]
     want = [plain.generate(i, p).token_ids for i, p in requests]
     assert want[0] != want[1]
-    engine = Engine.from_dir(built[case])
+    engine = open_engine(built[case])
     controller = engine.scheduler.controller
     assert controller is not None
     for policy in policies:

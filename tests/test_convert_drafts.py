@@ -22,7 +22,7 @@ from pipeline.convert.medusa import load_medusa_tensors, medusa_file
 from pipeline.convert.source import load_target
 from pipeline.convert.tiny import make_random_eagle, make_random_eagle3, make_random_medusa, make_tiny_model
 from pipeline.engine.config import TRTLLM_SPEC_MODE_FLAGS, EngineDir
-from pipeline.engine.runner import Engine
+from pipeline.engine.loader import open_engine
 from pipeline.engine.scheduler import SchedulerConfig
 from pipeline.engine.tree import MC_SIM_7B_63
 from pipeline.errors import UserError
@@ -234,7 +234,7 @@ def test_eagle_engines_static_and_dynamic(target, tmp_path: Path, capsys: pytest
     argv = ["build", "--checkpoint", str(ckpt), "--output", str(tmp_path / "fit"), "--dynamic-tree"]
     assert main([*argv, "--choices", json.dumps(fitted)]) == 0
     assert "; batched steps' --choices list, depth 2, 5 nodes" in capsys.readouterr().out
-    both = Engine.from_dir(tmp_path / "fit", serving=SchedulerConfig())
+    both = open_engine(tmp_path / "fit", serving=SchedulerConfig())
     assert both.spec.dynamic_tree is not None and both.spec.choices == fitted
     assert both.scheduler.controller.names == ["plain", "chain1", "chain2", "tree6", "dynamic64"]
     with pytest.raises(UserError, match="exceeds num_eagle_layers 4"):

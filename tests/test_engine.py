@@ -13,6 +13,7 @@ from conftest import convert_and_build, stream_by_run_ahead
 
 from pipeline.convert.source import load_hf_model
 from pipeline.engine import parallel
+from pipeline.engine.loader import open_engine
 from pipeline.engine.runner import Engine, RequestError, SamplingParams
 from pipeline.engine.scheduler import SchedulerConfig
 
@@ -34,20 +35,20 @@ def hf_greedy(model, ids: list[int], max_tokens: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tiny_llama_engine(tiny_llama_dir: Path, tmp_path_factory) -> Engine:
-    return Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path_factory.mktemp("plain")))
+    return open_engine(convert_and_build(tiny_llama_dir, tmp_path_factory.mktemp("plain")))
 
 
 @pytest.fixture(scope="module")
 def serial_engine(tiny_llama_dir: Path, tmp_path_factory) -> Engine:
     """The plain engine off the scheduler's batches: the single-stream loop speculative engines use."""
     engine_dir = convert_and_build(tiny_llama_dir, tmp_path_factory.mktemp("serial"))
-    return Engine.from_dir(engine_dir, serving=SchedulerConfig(batched=False))
+    return open_engine(engine_dir, serving=SchedulerConfig(batched=False))
 
 
 @pytest.mark.parametrize("arch,tp,pp", [("llama", 1, 1), ("llama", 2, 1), ("llama", 2, 2), ("qwen2", 2, 1)])
 def test_tiny_greedy_matches_hugging_face(arch, tp, pp, tiny_llama_dir, tiny_qwen2_dir, tmp_path):
     folder = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
-    engine = Engine.from_dir(convert_and_build(folder, tmp_path, tp=tp, pp=pp))  # TP 2 (PP 1): two processes
+    engine = open_engine(convert_and_build(folder, tmp_path, tp=tp, pp=pp))  # TP 2 (PP 1): two processes
     hf = load_hf_model(str(folder))
     try:
         for text in PROMPTS:
@@ -62,7 +63,7 @@ def test_tiny_greedy_matches_hugging_face(arch, tp, pp, tiny_llama_dir, tiny_qwe
 
 @pytest.mark.slow
 def test_smollm2_greedy_matches_hugging_face(smollm2_engine_dir, smollm2_hf):
-    engine = Engine.from_dir(smollm2_engine_dir)
+    engine = open_engine(smollm2_engine_dir)
     for text in ["The capital of France is", "Write a haiku about the sea.\n"]:
         ids = engine.tokenizer(text).input_ids
         assert engine.generate(ids, SamplingParams(max_tokens=32, end_id=-1)).token_ids == hf_greedy(
@@ -284,7 +285,7 @@ def test_running_ahead_changes_only_how_tokens_are_grouped(tiny_llama_dir, tmp_p
     """A plain engine off the scheduler's batches (the single-stream loop) queuing 5 greedy steps per host
     read (what CUDA engines do, 8 there) gives the tokens, stop reasons and step counts of one step at a
     time; a stop inside a group drops the steps after it."""
-    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path), serving=SchedulerConfig(batched=False))
+    engine = open_engine(convert_and_build(tiny_llama_dir, tmp_path), serving=SchedulerConfig(batched=False))
     assert not engine.batched and engine.pool is None
     ids = engine.tokenizer(PROMPTS[2]).input_ids
     free = engine.generate(ids, SamplingParams(max_tokens=23, end_id=-1)).token_ids
@@ -312,7 +313,7 @@ def test_sequences_past_max_position_embeddings(tmp_path):
     from pipeline.convert.tiny import make_tiny_model
 
     folder = make_tiny_model(tmp_path / "short", seed=3, max_position_embeddings=32)
-    engine = Engine.from_dir(convert_and_build(folder, tmp_path, max_input_len=16, max_seq_len=96))
+    engine = open_engine(convert_and_build(folder, tmp_path, max_input_len=16, max_seq_len=96))
     ids = engine.tokenizer(PROMPTS[0]).input_ids
     got = engine.generate(ids, SamplingParams(max_tokens=60, end_id=-1))
     assert got.token_ids == hf_greedy(load_hf_model(str(folder)), ids, 60)

@@ -16,6 +16,7 @@ import torch
 from conftest import convert_and_build
 
 from pipeline.engine.kv_cache import CacheBudget
+from pipeline.engine.loader import open_engine
 from pipeline.engine.readback import Pending, Readback
 from pipeline.engine.request import ChunkQueue, StreamChunk, StreamClosed
 from pipeline.engine.runner import CUDA_MAX_BATCH_SIZE, Engine, default_batch_size
@@ -41,7 +42,7 @@ def engine_dir(tiny_llama_dir: Path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(engine_dir: Path) -> Engine:
-    return Engine.from_dir(engine_dir)
+    return open_engine(engine_dir)
 
 
 def jobs(engine: Engine, count: int) -> list[tuple[list[int], SamplingParams]]:
@@ -107,7 +108,7 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(engine):
 
 
 def test_prefill_chunks_do_not_change_a_prompts_output(engine_dir, engine):
-    chunked = Engine.from_dir(engine_dir, serving=SchedulerConfig(prefill_chunk=3))
+    chunked = open_engine(engine_dir, serving=SchedulerConfig(prefill_chunk=3))
     for ids, params in jobs(engine, 4):
         assert chunked.generate(ids, params).token_ids == engine.generate(ids, params).token_ids
 
@@ -120,7 +121,7 @@ def test_a_burst_of_short_prompts_is_prefilled_in_one_iteration(engine_dir, engi
     alone = [engine.generate(ids, params).token_ids for ids, params in work]
     sizes = [len(ids) for ids, _ in work]
     for budget, rounds in ((sum(sizes), 1), (max(sizes), None)):
-        burst = Engine.from_dir(engine_dir, serving=SchedulerConfig(prefill_chunk=budget))
+        burst = open_engine(engine_dir, serving=SchedulerConfig(prefill_chunk=budget))
         scheduler = burst.scheduler
         with scheduler.lock:  # all four queued before the scheduler's first iteration
             streams = [burst.stream(ids, params) for ids, params in work]
@@ -159,7 +160,7 @@ def test_first_tokens_read_an_iteration_later_change_no_output(engine_dir, engin
     blocks."""
     work = jobs(engine, 8)
     alone = [engine.generate(ids, params).token_ids for ids, params in work]
-    held = Engine.from_dir(engine_dir)
+    held = open_engine(engine_dir)
     readback = held.scheduler.first_readback = HeldReadback()
     assert [held.generate(ids, params).token_ids for ids, params in work] == alone
     together, widest = run_together(held, work)
@@ -185,7 +186,7 @@ def test_the_stream_interval_groups_tokens_and_keeps_them(engine_dir, engine):
     assert sum(len(c.token_ids) for c in streams[1]) == params.max_tokens
     work = jobs(engine, 4)
     alone = [engine.generate(ids, params).token_ids for ids, params in work]
-    grouped = Engine.from_dir(engine_dir, serving=SchedulerConfig(stream_interval=4))
+    grouped = open_engine(engine_dir, serving=SchedulerConfig(stream_interval=4))
     for (ids, params), want in zip(work, alone):
         sizes = [len(c.token_ids) for c in grouped.stream(ids, params)]
         assert sum(sizes) == len(want) and sizes[0] == 1 and min(sizes[1:-1], default=4) >= 4, sizes
@@ -202,17 +203,17 @@ def test_a_cuda_engine_batches_at_least_64_rows_unless_serving_says_otherwise(en
     assert default_batch_size(8, torch.device("cuda")) == CUDA_MAX_BATCH_SIZE == 64
     assert default_batch_size(128, torch.device("cuda")) == 128
     assert default_batch_size(8, torch.device("cpu")) == 8
-    built = Engine.from_dir(engine_dir).capacity["max_batch_size"]  # on this CPU: the build value
+    built = open_engine(engine_dir).capacity["max_batch_size"]  # on this CPU: the build value
     assert built == default_batch_size(built, torch.device("cpu"))
-    assert Engine.from_dir(engine_dir, serving=SchedulerConfig(max_batch_size=3)).capacity["max_batch_size"] == 3
+    assert open_engine(engine_dir, serving=SchedulerConfig(max_batch_size=3)).capacity["max_batch_size"] == 3
 
 
 def test_more_requests_than_blocks_queue_and_complete(tiny_llama_dir, tmp_path, engine):
     # 8 blocks of 8 tokens: each request's worst case (prompt + max_tokens) takes 3-6 blocks.
     short = convert_and_build(tiny_llama_dir, tmp_path, max_seq_len=64, max_input_len=24)
     with pytest.raises(UserError, match="max-num-tokens"):
-        Engine.from_dir(short, serving=SchedulerConfig(cache=CacheBudget(max_num_tokens=32)))
-    small = Engine.from_dir(short, serving=SchedulerConfig(cache=CacheBudget(block_size=8, max_num_tokens=64)))
+        open_engine(short, serving=SchedulerConfig(cache=CacheBudget(max_num_tokens=32)))
+    small = open_engine(short, serving=SchedulerConfig(cache=CacheBudget(block_size=8, max_num_tokens=64)))
     assert small.capacity["kv_cache_tokens"] == 64
     work = jobs(engine, 6)
     together, widest = run_together(small, work)
@@ -268,7 +269,7 @@ def test_a_stream_closed_from_another_thread_cancels_its_request(engine):
 
 
 def test_a_full_queue_answers_busy_and_the_engine_keeps_serving(engine_dir, engine):
-    busy = Engine.from_dir(engine_dir, serving=SchedulerConfig(max_batch_size=1, max_queue=2))
+    busy = open_engine(engine_dir, serving=SchedulerConfig(max_batch_size=1, max_queue=2))
     ids = engine.tokenizer(PROMPTS[2]).input_ids
     long = busy.stream(ids, SamplingParams(max_tokens=300, end_id=-1))
     next(long)  # running: the one row is taken
@@ -370,7 +371,7 @@ def test_a_speculative_engine_serves_concurrent_requests_exactly(batched, tiny_l
     """An n-gram engine batches its requests in speculative steps (or, unbatched, serves its queue one
     request at a time through the speculative loop); each request gets plain greedy's tokens, and a full
     queue is busy."""
-    spec = Engine.from_dir(
+    spec = open_engine(
         convert_and_build(tiny_llama_dir, tmp_path, speculative="ngram", ngram_k=4),
         serving=SchedulerConfig(max_queue=3, batched=batched),
     )

@@ -33,6 +33,7 @@ from pipeline.client.client import (
 from pipeline.client.verify import verify
 from pipeline.convert.tiny import TINY_SHAPES, make_random_medusa, make_tiny_model
 from pipeline.engine.kv_cache import DEFAULT_BLOCK_SIZE
+from pipeline.engine.loader import open_engine
 from pipeline.engine.runner import Engine, SamplingParams
 from pipeline.triton.repo import write_repository
 from pipeline.triton.server import READY_TIMEOUT_S, SHM_DIR, TritonServer, free_ports
@@ -77,7 +78,7 @@ def server(plain_engine, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(plain_engine) -> Engine:
-    return Engine.from_dir(plain_engine)
+    return open_engine(plain_engine)
 
 
 def direct(engine: Engine, prompt: str, max_tokens: int = MAX_TOKENS):
@@ -337,7 +338,7 @@ def test_bls_draft_model_loop_is_lossless(tiny_llama_dir, tmp_path):
     equals plain greedy decoding, streamed or not; the ensemble path (in-engine speculation) agrees."""
     draft = make_tiny_model(tmp_path / "draft", seed=5, num_hidden_layers=1)
     engine_dir = convert_and_build(tiny_llama_dir, tmp_path / "build", draft_model=draft, max_draft_len=3, **LIMITS)
-    plain = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "plain", **LIMITS))
+    plain = open_engine(convert_and_build(tiny_llama_dir, tmp_path / "plain", **LIMITS))
     with _serve(engine_dir, tmp_path) as server:
         for prompt, n in ((PROMPTS[0], MAX_TOKENS), (PROMPTS[2], 21)):
             expected = direct(plain, prompt, n).text

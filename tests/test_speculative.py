@@ -20,6 +20,7 @@ from pipeline.engine.config import DynamicTreeConfig, SpecConfig
 from pipeline.engine.eagle import EagleNet, EagleProposer
 from pipeline.engine.graphs import GraphedTarget
 from pipeline.engine.kernels.routing import TORCH_TOPK
+from pipeline.engine.loader import open_engine
 from pipeline.engine.medusa import MedusaProposer, medusa_heads
 from pipeline.engine.runner import Engine, SamplingParams
 from pipeline.engine.scheduler import SchedulerConfig
@@ -35,7 +36,7 @@ SERIAL = SchedulerConfig(batched=False)
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama_dir: Path, tmp_path_factory) -> Engine:
-    return Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path_factory.mktemp("plain")))
+    return open_engine(convert_and_build(tiny_llama_dir, tmp_path_factory.mktemp("plain")))
 
 
 def vocab_of(folder: Path) -> int:
@@ -102,7 +103,7 @@ SPEC_CASES = {
 
 @pytest.mark.parametrize("case", sorted(SPEC_CASES))
 def test_greedy_speculation_is_lossless(case, tiny_llama_dir, plain, tmp_path):
-    engine = Engine.from_dir(
+    engine = open_engine(
         convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir)))
     )
     assert engine.spec.mode != "none"
@@ -112,7 +113,7 @@ def test_greedy_speculation_is_lossless(case, tiny_llama_dir, plain, tmp_path):
 def test_draft_model_oracle_accepts_every_token(tiny_llama_dir, plain, tmp_path):
     """The target as its own draft: every step accepts all k tokens."""
     k = 4
-    engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path, draft_model=tiny_llama_dir, max_draft_len=k))
+    engine = open_engine(convert_and_build(tiny_llama_dir, tmp_path, draft_model=tiny_llama_dir, max_draft_len=k))
     got = greedy(engine, PROMPTS[0], 31)
     assert got.token_ids == greedy(plain, PROMPTS[0], 31).token_ids
     assert got.stats.acceptance_length == k + 1 and got.stats.per_depth_acceptance == [1.0] * k
@@ -179,7 +180,7 @@ def test_medusa_heads_share_the_targets_lm_head(tiny_llama_dir, tmp_path):
     from pipeline.engine.model import Linear
 
     vocab = vocab_of(tiny_llama_dir)
-    engine = Engine.from_dir(
+    engine = open_engine(
         convert_and_build(
             tiny_llama_dir, tmp_path / "a", medusa=make_random_medusa(tmp_path / "m", HIDDEN, vocab, with_lm_head=False)
         )
@@ -195,7 +196,7 @@ def test_medusa_heads_share_the_targets_lm_head(tiny_llama_dir, tmp_path):
         shared.hidden.copy_(hidden)
         separate.hidden.copy_(hidden)
         assert torch.equal(shared.guesses(), separate.guesses())
-    own = Engine.from_dir(
+    own = open_engine(
         convert_and_build(tiny_llama_dir, tmp_path / "b", medusa=make_random_medusa(tmp_path / "m2", HIDDEN, vocab))
     )
     assert own.proposer.lm_head is None and all(h.lm_head is not None for h in own.proposer.heads)
@@ -204,7 +205,7 @@ def test_medusa_heads_share_the_targets_lm_head(tiny_llama_dir, tmp_path):
 def test_a_new_proposer_gets_a_graph_step_of_its_own(tiny_llama_dir, plain, tmp_path):
     """The greedy step objects capture a proposer's draft with its buffers: after a swap, replaying the
     old capture would draft from the old proposer's buffers (wrong roots, wrong tokens)."""
-    engine = Engine.from_dir(
+    engine = open_engine(
         convert_and_build(
             tiny_llama_dir,
             tmp_path,
@@ -222,7 +223,7 @@ def test_a_new_proposer_gets_a_graph_step_of_its_own(tiny_llama_dir, plain, tmp_
 
 @pytest.mark.parametrize("case", ["medusa-mc_sim_7b_63", "medusa-dynamic"])
 def test_medusa_oracle_accepts_full_depth(case, tiny_llama_dir, plain, tmp_path):
-    engine = Engine.from_dir(
+    engine = open_engine(
         convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir))),
         serving=SERIAL,
     )
@@ -237,7 +238,7 @@ def test_medusa_oracle_accepts_full_depth(case, tiny_llama_dir, plain, tmp_path)
 
 @pytest.mark.parametrize("case", ["eagle-static", "eagle-dynamic", "eagle3-dynamic"])
 def test_eagle_oracle_accepts_full_depth(case, tiny_llama_dir, plain, tmp_path):
-    engine = Engine.from_dir(
+    engine = open_engine(
         convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir))),
         serving=SERIAL,
     )
@@ -257,7 +258,7 @@ def test_eagle_oracle_accepts_full_depth(case, tiny_llama_dir, plain, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_random_medusa_and_eagle_are_lossless(smollm2_engine_dir):
-    plain_engine = Engine.from_dir(smollm2_engine_dir)
+    plain_engine = open_engine(smollm2_engine_dir)
     target = plain_engine.target
     torch.manual_seed(0)
     heads = medusa_heads(4, 1, target.cfg.hidden_size, target.cfg.vocab_size, "silu").eval()
@@ -292,7 +293,7 @@ SHIPPED_PROMPT, SHIPPED_TOKENS = "Write a short poem about the sea.", 24
 
 @pytest.fixture(scope="module")
 def smollm2_plain_tokens(smollm2_engine_dir) -> list[int]:
-    return greedy(Engine.from_dir(smollm2_engine_dir), SHIPPED_PROMPT, SHIPPED_TOKENS).token_ids
+    return greedy(open_engine(smollm2_engine_dir), SHIPPED_PROMPT, SHIPPED_TOKENS).token_ids
 
 
 @pytest.mark.slow
@@ -300,7 +301,7 @@ def smollm2_plain_tokens(smollm2_engine_dir) -> list[int]:
 def test_shipped_drafts_are_lossless_and_accept(kind, smollm2_source, smollm2_plain_tokens, tmp_path):
     folder = Path(__file__).resolve().parents[1] / "drafts" / f"smollm2-{kind}"
     built = convert_and_build(smollm2_source, tmp_path, **{kind: folder}, **SHIPPED_DRAFTS[kind])
-    engine = Engine.from_dir(built, serving=SchedulerConfig(speculation="full"))
+    engine = open_engine(built, serving=SchedulerConfig(speculation="full"))
     got = greedy(engine, SHIPPED_PROMPT, SHIPPED_TOKENS)
     assert got.token_ids == smollm2_plain_tokens
     assert got.stats.acceptance_length >= TRAINED_ACCEPTANCE_AT_LEAST, got.stats
@@ -319,7 +320,7 @@ def test_sampling_modes_run_and_are_seeded(tiny_llama_dir, plain, tmp_path):
     }
     hot = SamplingParams(max_tokens=20, temperature=0.8, top_k=40, seed=11, end_id=-1)
     for name, flags in cases.items():
-        engine = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / name, **flags))
+        engine = open_engine(convert_and_build(tiny_llama_dir, tmp_path / name, **flags))
         ids = engine.tokenizer(PROMPTS[1]).input_ids
         first = engine.generate(ids, hot)
         assert len(first.token_ids) == 20 and all(0 <= t < vocab for t in first.token_ids)
@@ -356,7 +357,7 @@ def test_running_ahead_changes_only_how_tokens_are_grouped(case, tiny_llama_dir,
     """CUDA engines queue 8 greedy steps per host read (the length stays on the device); on the CPU
     4 give the tokens, stop reasons and step counts of one step at a time, with the random draft and
     with an oracle (several tokens a step), and a stop inside a group drops the steps after it."""
-    engine = Engine.from_dir(
+    engine = open_engine(
         convert_and_build(tiny_llama_dir, tmp_path / "engine", **SPEC_CASES[case](tmp_path, vocab_of(tiny_llama_dir))),
         serving=SERIAL,
     )
@@ -393,7 +394,7 @@ def test_groups_queued_behind_each_other_stay_inside_the_cache(tiny_llama_dir, p
     """A group is queued before the one ahead of it is read, so its size rests on that group's worst
     case. An oracle accepting whole paths through a request that fills max_seq_len: the same tokens
     as plain decoding, and no slot past the cache (the CPU would raise on one)."""
-    engine = Engine.from_dir(
+    engine = open_engine(
         convert_and_build(
             tiny_llama_dir,
             tmp_path / "engine",
@@ -416,7 +417,7 @@ def test_queued_groups_end_near_the_request_end(tiny_llama_dir, plain, tmp_path)
     """Queued steps cover half of those the request is expected to need at the tokens a step has
     emitted so far: an oracle emitting 4 tokens a step queues at most a step or two past its last
     token, not groups sized for one token a step (which ran 8 or more steps past it)."""
-    engine = Engine.from_dir(
+    engine = open_engine(
         convert_and_build(
             tiny_llama_dir, tmp_path / "engine", **SPEC_CASES["eagle3-dynamic"](tmp_path, vocab_of(tiny_llama_dir))
         ),

@@ -25,7 +25,7 @@ from conftest import convert_and_build
 
 from pipeline.engine import parallel
 from pipeline.engine.config import EngineDir
-from pipeline.engine.loader import load_engine
+from pipeline.engine.loader import load_engine, open_engine
 from pipeline.engine.parallel import ParallelConfig, RankFailure
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
@@ -51,14 +51,14 @@ def engines(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
 @pytest.fixture(scope="module")
 def reference(engines: dict[int, Path]) -> tuple[Engine, list[list[int]]]:
     """The TP-1 engine and its greedy tokens for each prompt."""
-    engine = Engine.from_dir(engines[1])
+    engine = open_engine(engines[1])
     params = SamplingParams(max_tokens=MAX_TOKENS, end_id=-1)
     return engine, [engine.generate(ids(engine, p), params).token_ids for p in PROMPTS]
 
 
 @pytest.fixture
 def tp2(engines: dict[int, Path]) -> Iterator[Engine]:
-    engine = Engine.from_dir(engines[2])
+    engine = open_engine(engines[2])
     yield engine
     parallel.shutdown()
 
@@ -121,15 +121,15 @@ def test_heads_that_do_not_split_are_refused(engines: dict[int, Path], tmp_path:
     config["pretrained_config"]["mapping"].update(tp_size=2, world_size=2)
     (engine / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=r"size 2 does not split this model's 9 attention heads, 3 KV heads") as err:
-        Engine.from_dir(engine)
+        open_engine(engine)
     assert "--tp-size 1 or 3" in str(err.value)
     assert parallel.live() is None
 
 
 def test_a_speculative_tp2_engine_runs_its_shards_merged_in_one_process(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    spec = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "spec", tp=2, speculative="ngram", ngram_k=4))
+    spec = open_engine(convert_and_build(tiny_llama_dir, tmp_path / "spec", tp=2, speculative="ngram", ngram_k=4))
     assert parallel.live() is None  # no ranks started
-    plain = Engine.from_dir(convert_and_build(tiny_llama_dir, tmp_path / "plain"))
+    plain = open_engine(convert_and_build(tiny_llama_dir, tmp_path / "plain"))
     ids = plain.tokenizer("hello hello hello").input_ids
     params = SamplingParams(max_tokens=12, end_id=-1)
     assert spec.generate(ids, params).token_ids == plain.generate(ids, params).token_ids

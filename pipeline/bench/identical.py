@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from pipeline.bench.speed import device_tag, environment, save_json
+from pipeline.engine.loader import open_engine
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.scheduler import SchedulerConfig
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         stem += f"-{args.speculation}"
     record = {"environment": environment(device), "args": {k: str(v) for k, v in vars(args).items()}}
     for folder in [args.engine, *args.spec]:
-        engine = Engine.from_dir(folder, device=args.device, serving=serving)
+        engine = open_engine(folder, device=args.device, serving=serving)
         engine.warm_up((0.0,))  # graphs captured (and tiers timed) before the timed runs
         for c in levels:
             outputs, speed = run(engine, prompts, c, args.max_tokens)

@@ -46,6 +46,7 @@ from pipeline.engine.adaptive import AdaptiveConfig, TierController
 from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig
 from pipeline.engine.kernels.routing import attach
 from pipeline.engine.kernels.tuning import KernelTuning
+from pipeline.engine.loader import open_engine
 from pipeline.engine.model import ModelConfig, Transformer
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
@@ -415,7 +416,7 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
         retune(engine, args.tuning)
         engine.warm_up(tuple(1.0 if t else 0.0 for t in args.temperatures))
         return engine, f"{args.shape}-random" + (f"-{args.draft}" if args.draft else ""), None
-    engine = Engine.from_dir(args.engine, device=args.device, serving=serving)
+    engine = open_engine(args.engine, device=args.device, serving=serving)
     retune(engine, args.tuning)
     if engine.device.type == "cuda":  # every bucket's graphs (each tier's, and its cost) now, not in a level
         engine.warm_up(tuple(1.0 if t else 0.0 for t in args.temperatures))

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from pipeline.bench.prompts import load_prompts
 from pipeline.bench.speed import SEED, device_tag, environment, save_json, sync
 from pipeline.client.verify import first_divergence
+from pipeline.engine.loader import open_engine
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import RequestError, SamplingParams
 from pipeline.errors import USER_ERROR_EXIT_CODE, UserError
@@ -153,7 +154,7 @@ def run_serving(cfg: ServingConfig) -> tuple[Path, dict[str, Any]]:
     device = torch.device(cfg.device)
     torch.manual_seed(SEED)
     cfg.output.mkdir(parents=True, exist_ok=True)
-    engine = Engine.from_dir(cfg.engine, device=cfg.device)
+    engine = open_engine(cfg.engine, device=cfg.device)
     prompts, chat = prompt_token_ids(engine, load_prompts(cfg.prompts, cfg.num_prompts))
     in_process = run_in_process(engine, prompts, cfg.max_tokens)
     del engine  # the server loads its own copy

@@ -38,6 +38,7 @@ from pipeline.engine.config import EngineLimits, SpecConfig
 from pipeline.engine.cpu_threads import on_own_thread
 from pipeline.engine.graphs import GraphedTarget, compile_enabled
 from pipeline.engine.kernels.routing import DRAFT_TOPK_ENV, LEVELS, attach, level
+from pipeline.engine.loader import open_engine
 from pipeline.engine.model import ModelConfig, Transformer
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
@@ -540,7 +541,7 @@ def run_group(
 
     def warmed(name: str) -> Engine:
         with env_vars(METHODS[name].env):
-            engine = Engine.from_dir(engine_dirs[name], device=str(device), serving=SINGLE_STREAM)
+            engine = open_engine(engine_dirs[name], device=str(device), serving=SINGLE_STREAM)
             with torch.inference_mode():
                 engine.generate(prompts[0], SamplingParams(max_tokens=32, end_id=-1))  # warm-up: graphs, kernels
         return engine

@@ -47,9 +47,9 @@ def prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def _load(engine_dir: Path, device: str):
-    from pipeline.engine.runner import Engine
+    from pipeline.engine.loader import open_engine
 
-    return Engine.from_dir(engine_dir, device=device)
+    return open_engine(engine_dir, device=device)
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pipeline.engine.config import EngineDir, SpecConfig
+from pipeline.engine.cpu_threads import on_own_thread
 from pipeline.engine.draft_model import DraftModelProposer
 from pipeline.engine.eagle import Eagle3Net, EagleNet, EagleProposer, EagleRows
 from pipeline.engine.kv_cache import BlockPool
@@ -41,6 +42,20 @@ def build_transformer(config: dict, tensors: dict[str, torch.Tensor], what: str,
     state["lm_head.weight"] = tensors.get("lm_head.weight", tensors["transformer.vocab_embedding.weight"])
     load_into(model, state, what)
     return model
+
+
+def open_engine(
+    engine_dir: str | Path,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    serving: SchedulerConfig | None = None,
+) -> Engine:
+    """The portable engine of an engine directory on `device` (dtype: the engine's unless given), warmed up."""
+    loaded, target = EngineDir.load(engine_dir), torch.device(device)
+    if target.type != "cpu":
+        return load_engine(loaded, target, dtype, serving)
+    # The caller's thread may not be the one that decodes (the scheduler's): see cpu_threads.
+    return on_own_thread(load_engine, loaded, target, dtype, serving)
 
 
 def load_engine(

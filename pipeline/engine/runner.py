@@ -20,14 +20,13 @@ import sys
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import cast
 
 import torch
 
 from pipeline.engine import onednn
 from pipeline.engine.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
-from pipeline.engine.config import EngineDir, EngineLimits, SpecConfig
+from pipeline.engine.config import EngineLimits, SpecConfig
 from pipeline.engine.cpu_threads import on_own_thread
 from pipeline.engine.graphs import MAX_PREFILL_TOKENS, Compiled, GraphedTarget, prefill_bucket, prefill_buckets
 from pipeline.engine.kernels.routing import attach
@@ -189,22 +188,6 @@ class Engine:
             "kv_cache_tokens": kv_tokens,
             "max_queue": self.scheduler.config.max_queue,
         }
-
-    @classmethod
-    def from_dir(
-        cls,
-        engine_dir: str | Path,
-        device: str = "cpu",
-        dtype: torch.dtype | None = None,
-        serving: SchedulerConfig | None = None,
-    ) -> Engine:
-        from pipeline.engine.loader import load_engine
-
-        loaded, target = EngineDir.load(engine_dir), torch.device(device)
-        if target.type != "cpu":
-            return load_engine(loaded, target, dtype, serving)
-        # The caller's thread may not be the one that decodes (the scheduler's): see cpu_threads.
-        return on_own_thread(load_engine, loaded, target, dtype, serving)
 
     def warm_up(self, temperatures: tuple[float, ...] = (0.0, 1.0)) -> None:
         """Compile and capture the decode and verification graphs now rather than inside the first

@@ -72,7 +72,7 @@ CPU_STREAM_INTERVAL = 4
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """How an engine serves: the serve-time options (`specpipe serve`, `Engine.from_dir(serving=...)`)."""
+    """How an engine serves: the serve-time options (`specpipe serve`, `open_engine(serving=...)`)."""
 
     max_batch_size: int | None = None  # rows a step runs at most; None: the engine's build value
     max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting for admission before new ones are refused

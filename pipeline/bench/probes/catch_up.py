@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.engine.loader import open_engine
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
-    engine = Engine.from_dir(args.engine, device=args.device)
+    engine = open_engine(args.engine, device=args.device)
     if engine.spec.mode not in ("eagle", "eagle3"):
         raise SystemExit(f"--engine {args.engine}: not an EAGLE engine")
     prompts = json.loads(args.prompt_ids.read_text())[: args.num_prompts]

@@ -26,7 +26,8 @@ import traceback
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pipeline.engine.runner import Engine, RequestError, SamplingParams
+from pipeline.engine.loader import open_engine
+from pipeline.engine.runner import RequestError, SamplingParams
 from pipeline.engine.sampling import EngineBusy
 from pipeline.engine.scheduler import SchedulerConfig
 from pipeline.triton.send import send, serialized
@@ -210,7 +211,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config["parameters"].items()}
         serving = SchedulerConfig.from_options(json.loads(params.get("serving") or "{}"))
-        self.engine = Engine.from_dir(params["engine_dir"], device=params["device"], serving=serving)
+        self.engine = open_engine(params["engine_dir"], device=params["device"], serving=serving)
         print(f"specpipe: {args['model_name']} serves {json.dumps(self.engine.capacity)}", flush=True)
         self.exclude_input_default = params["exclude_input_in_output"].lower() in ("true", "1")
         threading.stack_size(WORKER_STACK_BYTES)
