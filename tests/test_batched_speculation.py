@@ -12,6 +12,7 @@ import json
 import shutil
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 from conftest import convert_and_build
 
 from pipeline.convert.tiny import make_random_eagle, make_random_eagle3, make_random_medusa
-from pipeline.engine.adaptive import AdaptiveConfig, RequestAcceptance, TierController
+from pipeline.engine.adaptive import AdaptiveConfig, RequestAcceptance, TierController, Window
 from pipeline.engine.kernels.routing import TORCH_TOPK
 from pipeline.engine.loader import open_engine
 from pipeline.engine.runner import Engine, SamplingParams
@@ -465,17 +466,61 @@ def test_a_bucket_runs_the_mode_whose_windows_delivered_more():
     assert lost(runs[-900:], 40.0) <= loss * 1.05
 
 
+def recent_windows(bucket: int, drafting: bool, windows: list[tuple[int, float, int]]) -> deque[Window]:
+    """Closed windows of (tokens, seconds, prompt chunks)."""
+    return deque(Window(bucket, drafting, 0.0, tokens=t, seconds=s, prefills=p) for t, s, p in windows)
+
+
 def test_drafting_leads_a_bucket_only_past_the_margin():
     """Drafting windows delivering 5 % more than plain ones lose to a 10 % margin: plain leads, drafting is
     explored one window in 1 + ceil(3.5) = 5 (4.5 % short after the margin); 20 % more leads."""
     tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
     controller = TierController(tiers, AdaptiveConfig(window_margin=0.1))
-    controller.window_tokens = {(4, True): 105.0, (4, False): 100.0}  # in windows of 1 s each
-    controller.window_seconds = {(4, True): 1.0, (4, False): 1.0}
+    controller.recent[(4, True)] = recent_windows(4, True, [(105, 1.0, 0)])
+    controller.recent[(4, False)] = recent_windows(4, False, [(100, 1.0, 0)])
     assert controller.rate(4, True) < controller.rate(4, False)
     assert controller.explore_interval(4, False) == 5
-    controller.window_tokens[(4, True)] = 120.0
+    controller.recent[(4, True)] = recent_windows(4, True, [(120, 1.0, 0)])
     assert controller.rate(4, True) > controller.rate(4, False)
+
+
+def test_prompt_chunks_are_charged_apart_from_the_modes():
+    """A burst of prompts in a plain window does not hand the bucket to drafting: one slope for both modes
+    (0.5 s a chunk here) takes the chunks out, and plain's 40 tokens a second between prompts beat
+    drafting's 38, though as they ran the windows delivered 24 and 32.6."""
+    tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
+    controller = TierController(tiers, AdaptiveConfig(window_margin=0.0))
+    controller.recent[(4, False)] = recent_windows(4, False, [(40, 1.0, 0), (40, 3.0, 4), (40, 1.0, 0)])
+    controller.recent[(4, True)] = recent_windows(4, True, [(38, 1.0, 0), (38, 1.0, 0), (38, 1.5, 1)])
+    assert controller.delivered[(4, False)] == pytest.approx(24.0)
+    assert controller.delivered[(4, True)] == pytest.approx(114 / 3.5)
+    assert controller.chunk_seconds(4) == pytest.approx(0.5)
+    assert controller.rate(4, False) == pytest.approx(40.0)
+    assert controller.rate(4, True) == pytest.approx(38.0)
+    # Chunks that never vary, or a slope that would leave a window no time, charge nothing apart.
+    controller.recent[(4, False)] = recent_windows(4, False, [(40, 1.0, 2), (40, 1.0, 2)])
+    controller.recent[(4, True)] = recent_windows(4, True, [(38, 1.0, 2)])
+    assert controller.chunk_seconds(4) == 0.0
+    controller.recent[(4, True)] = recent_windows(4, True, [(38, 0.1, 0), (38, 5.0, 1)])
+    assert controller.chunk_seconds(4) == 0.0
+
+
+def test_replayed_windows_keep_their_choice_through_bursts_of_prompts():
+    """Windows as a load run records them, plain 40 and drafting 38 tokens a window-second between prompts,
+    a burst of 4 chunks (0.5 s each) in every third plain window: charged apart, every choice is plain; the
+    former running means of the windows as they ran choose drafting."""
+    from pipeline.bench.probes.window_replay import former_choice, replay
+
+    windows = []
+    for i in range(24):
+        drafting = i % 2 == 0
+        chunks = 4 if i % 6 == 3 else 0
+        tokens = 38 if drafting else 40
+        windows.append(Window(64, drafting, 0.0, tokens=tokens, seconds=1.0 + 0.5 * chunks, prefills=chunks))
+    config = AdaptiveConfig(window_margin=0.0)
+    made, fitted, _, fit_drafts = replay(windows, config)
+    assert made > 0 and fitted == made and not fit_drafts
+    assert former_choice(windows, config)
 
 
 def test_a_modes_rate_weighs_its_windows_by_their_time():

@@ -2,15 +2,17 @@
 by the tiers' expected tokens per second.
 
 Plain or drafting, a bucket at a time: steps run in windows of a batch bucket, each window plain or drafting
-throughout, and a window's rate is the tokens emitted over its wall time, whatever ran inside it (prefills,
-the host's work a row, a catch-up; not the wait for a request when none is left: that window ends
-unmeasured). Prefills stay in: a mode that emits faster finishes requests, and so prefills, more often, and
-a prefill waits for the longer step a drafting window queued before it. A bucket's first windows run plain,
-unmeasured: load ramping into a bucket brings a burst of prompts, which would charge the first measured mode
-for them. Then the modes take turns until each has been measured a few times; from there a bucket runs the
-mode whose windows delivered more (drafting's rate taken a margin lower: part of drafting's cost falls in
-later windows, since requests it ends out of step bring their successors' prompts one at a time), and the
-other one window in so many: every other window while the two
+throughout; a window counts the tokens emitted over its wall time, whatever ran inside it (the host's work a
+row, a catch-up, prompt chunks; not the wait for a request when none is left: that window ends unmeasured).
+Prompt chunks are charged apart: each mode's recent windows give its seconds a window as a line in the chunks
+prefilled inside it, one slope for both modes (a chunk costs what it costs whichever mode queued it), and a
+mode's rate is its tokens a window over its window's seconds without chunks. Every request is prefilled once
+whatever the mode, so the mode that emits faster between prompts serves faster; without the slope, a burst
+of prompts falling in a few windows decided the comparison (BENCHMARKS §4). A bucket's first windows run
+plain, unmeasured (the ramp into a bucket). Then the modes take turns until each has been measured a few
+times; from there a bucket runs the mode whose windows delivered more (drafting's rate taken a margin lower:
+part of drafting's cost falls outside its windows, since requests it ends out of step bring their
+successors' prompts one at a time), and the other one window in so many: every other window while the two
 are within the loss allowed, rarely while the loser is far behind or its windows take longer (a drafting
 window at a large batch can take several plain ones' time), so that exploring costs at most a set share of
 the bucket's speed.
@@ -44,6 +46,10 @@ POLICIES = ("adaptive", "off", "full")
 TIER_NAME = re.compile(r"plain|(chain|tree|dynamic)[1-9][0-9]*")  # the names spec_step's tiers take
 
 
+def _mean(values: list[float] | list[int]) -> float:
+    return sum(values) / len(values)
+
+
 def moved(mean: float | None, value: float, weight: float) -> float:
     """A running mean moved toward a new value by `weight` (the value itself when there is no mean yet)."""
     return value if mean is None else mean + weight * (value - mean)
@@ -72,15 +78,15 @@ class AdaptiveConfig:
     request_pause: int = 64
     request_weight: float = 0.2
     # Windows of window_steps steps of one bucket, plain or drafting. A bucket's first window_warmup windows
-    # run plain, unmeasured; then the modes alternate until each has window_samples measured windows (their
-    # plain average), after which a window's rate and duration move its mode's means by window_weight. The
-    # mode that delivered less runs one window in as few as window_explore while that costs the bucket at
-    # most window_loss of its tokens (its shortfall over its share of the time).
+    # run plain, unmeasured; then the modes alternate until each has window_samples measured windows; a
+    # mode's rate is judged on its last window_recent measured windows. The mode that delivered less runs
+    # one window in as few as window_explore while that costs the bucket at most window_loss of its tokens
+    # (its shortfall over its share of the time).
     window_steps: int = 32
     window_warmup: int = 1
     window_samples: int = 3
     window_explore: int = 2
-    window_weight: float = 0.3
+    window_recent: int = 16
     window_loss: float = 0.01
     # Drafting windows' rates are compared after division by 1 + window_margin: part of drafting's cost falls
     # outside its windows (BENCHMARKS §4).
@@ -141,9 +147,8 @@ class TierController:
     realized: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, tier) -> tokens a row a second
     window: Window | None = None  # the window the steps run in
     opened: dict[int, int] = field(default_factory=dict)  # bucket -> windows opened
-    # (bucket, drafting) -> the mean seconds and tokens of that mode's windows there
-    window_seconds: dict[tuple[int, bool], float] = field(default_factory=dict)
-    window_tokens: dict[tuple[int, bool], float] = field(default_factory=dict)
+    # (bucket, drafting) -> that mode's last window_recent measured windows there
+    recent: dict[tuple[int, bool], deque[Window]] = field(default_factory=dict)
     measured: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, drafting) -> windows closed
     history: deque[Window] = field(default_factory=lambda: deque(maxlen=HISTORY_WINDOWS))  # the last closed
     closed: int = 0  # windows closed in all
@@ -161,9 +166,9 @@ class TierController:
 
     @property
     def delivered(self) -> dict[tuple[int, bool], float]:
-        """(bucket, drafting) -> tokens a second: the mode's windows' mean tokens over their mean seconds (a
-        window that a burst of prefills stretched weighs by its time, as in a run)."""
-        return {key: tokens / self.window_seconds[key] for key, tokens in self.window_tokens.items()}
+        """(bucket, drafting) -> tokens a second as the mode's recent windows ran, prompt chunks and all
+        (observability; `rate` is what the modes are compared by)."""
+        return {key: sum(w.tokens for w in ws) / sum(w.seconds for w in ws) for key, ws in self.recent.items()}
 
     @property
     def names(self) -> list[str]:
@@ -264,10 +269,32 @@ class TierController:
         self.window = Window(bucket, drafting, self.clock())
         return self.window
 
+    def chunk_seconds(self, bucket: int) -> float:
+        """Seconds a prompt chunk adds to a window of `bucket`: the least-squares slope of the recent windows'
+        seconds on their chunks, each mode's windows about that mode's means; 0 if the chunks never vary, or
+        if the fit would leave a mode's window without chunks no time."""
+        moments = []
+        for ws in self.recent.values():
+            if ws[0].bucket != bucket:
+                continue
+            chunks, seconds = _mean([w.prefills for w in ws]), _mean([w.seconds for w in ws])
+            moments.append((chunks, seconds, ws))
+        spread = sum((w.prefills - c) ** 2 for c, _, ws in moments for w in ws)
+        if spread == 0.0:
+            return 0.0
+        slope = sum((w.prefills - c) * (w.seconds - s) for c, s, ws in moments for w in ws) / spread
+        if slope <= 0.0 or any(s - slope * c <= 0.0 for c, s, _ in moments):
+            return 0.0
+        return slope
+
+    def window_seconds(self, bucket: int, drafting: bool) -> float:
+        """A mode's mean window seconds in `bucket` without prompt chunks."""
+        ws = self.recent[(bucket, drafting)]
+        return _mean([w.seconds for w in ws]) - self.chunk_seconds(bucket) * _mean([w.prefills for w in ws])
+
     def rate(self, bucket: int, drafting: bool) -> float:
-        """A mode's windows' tokens a second in `bucket` as compared (drafting's less the margin)."""
-        key = (bucket, drafting)
-        rate = self.window_tokens[key] / self.window_seconds[key]
+        """A mode's tokens a second in `bucket` between prompts, as compared (drafting's less the margin)."""
+        rate = _mean([w.tokens for w in self.recent[(bucket, drafting)]]) / self.window_seconds(bucket, drafting)
         return rate / (1.0 + self.config.window_margin) if drafting else rate
 
     def explore_interval(self, bucket: int, better: bool) -> int:
@@ -277,19 +304,18 @@ class TierController:
         cfg = self.config
         win, lose = self.rate(bucket, better), self.rate(bucket, not better)
         shortfall = 1.0 - lose / max(win, 1e-9)
-        stretch = self.window_seconds[(bucket, not better)] / max(self.window_seconds[(bucket, better)], 1e-9)
+        stretch = self.window_seconds(bucket, not better) / max(self.window_seconds(bucket, better), 1e-9)
         needed = 1 + math.ceil(stretch * (shortfall - cfg.window_loss) / cfg.window_loss)
         return max(cfg.window_explore, needed)
 
     def prefilled(self, chunks: int) -> None:
-        """`chunks` prompt chunks were queued while the open window runs (observability)."""
+        """`chunks` prompt chunks were queued while the open window runs (charged apart: chunk_seconds)."""
         if self.window is not None:
             self.window.prefills += chunks
 
     def emitted(self, bucket: int, tokens: int) -> None:
         """A step of `bucket` was read with `tokens` new tokens: counted in its window, which closes after
-        window_steps steps with its tokens and wall time since it opened; a mode's first window_samples
-        windows are averaged, later ones move the means by window_weight (its rate: `delivered`)."""
+        window_steps steps with its tokens and wall time since it opened, into its mode's recent windows."""
         window = self.window
         if window is None or window.bucket != bucket:
             return
@@ -298,16 +324,14 @@ class TierController:
         if window.steps < self.config.window_steps:
             return
         self.window = None
-        window.seconds = seconds = max(self.clock() - window.start, 1e-9)
+        window.seconds = max(self.clock() - window.start, 1e-9)
         self.history.append(window)
         self.closed += 1
         if not window.measured:
             return
         key = (bucket, window.drafting)
-        count = self.measured[key] = self.measured.get(key, 0) + 1
-        w = max(self.config.window_weight, 1.0 / count)
-        self.window_seconds[key] = moved(self.window_seconds.get(key), seconds, w)
-        self.window_tokens[key] = moved(self.window_tokens.get(key), window.tokens, w)
+        self.measured[key] = self.measured.get(key, 0) + 1
+        self.recent.setdefault(key, deque(maxlen=self.config.window_recent)).append(window)
 
     def timed_plain(self, bucket: int, seconds: float | None) -> None:
         """A plain step of `bucket` was read `seconds` after the step before it (None: not measured). Right
