@@ -55,3 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:
         return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
