@@ -114,6 +114,8 @@ def test_a_cpu_engine_knows_every_buckets_tier_costs_once_loaded(built):
 def test_a_tier_the_engine_lacks_is_refused_at_load_naming_its_tiers(built):
     with pytest.raises(UserError, match="--speculation 'tree99': use adaptive, off, full, or a tier: plain, chain1"):
         open_engine(built["eagle"], serving=SchedulerConfig(speculation="tree99"))
+    with pytest.raises(UserError, match="--compile-tiers tree99: not this engine's tiers; it has plain, chain1"):
+        open_engine(built["eagle"], serving=SchedulerConfig(compile_tiers=("chain1", "tree99")))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -330,30 +332,46 @@ def test_the_plain_step_after_a_drafting_step_is_charged_to_the_drafting_tier():
     controller = TierController(tiers)
     controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0] * len(tiers)  # as calibrated: a second a step
     for _ in range(50):
-        controller.timed_drafting(4, 1, 1.0, 1.8)
+        controller.timed_drafting(4, 1, 1.0)
         controller.timed_plain(4, 1.5)  # half a plain step more than a plain step in a row
         controller.timed_plain(4, 1.0)
     plain, chain = controller.costs(4)[:2]
     assert plain == pytest.approx(1.0) and chain == pytest.approx(1.5, rel=0.02)
-    assert controller.realized[(4, 1)] == pytest.approx(1.8 / 1.5, rel=0.02)
-    controller.timed_drafting(4, 1, 3.0, 1.8)
-    controller.timed_drafting(4, 1, 3.0, 1.8)  # drafting after drafting: the first counts as it was
+    controller.timed_drafting(4, 1, 3.0)
+    controller.timed_drafting(4, 1, 3.0)  # drafting after drafting: the first counts as it was
     assert controller.costs(4)[1] == pytest.approx(1.5 + 0.1 * (3.0 - 1.5), rel=0.02)
 
 
-def test_a_drafting_tier_that_delivers_less_than_its_estimate_gives_way_to_another():
-    """The estimate (acceptance over cost) says chain1 beats chain2; what chain1's steps delivered says not."""
+def rows_accepting(mean: float, rows: int = 10) -> list[int]:
+    """`rows` rows' accepted tokens whose mean is `mean`, to a tenth."""
+    total = round(mean * rows)
+    return [total // rows + (r < total % rows) for r in range(rows)]
+
+
+def test_a_tier_left_in_a_hard_passage_is_valued_again_when_the_text_turns_easy():
+    """Acceptance follows the text. In a hard passage the cheap chain leads and runs alone; once the text
+    turns easy the tree leads again, although it has not run since: the chain's acceptance tells the
+    controller that the text got easier, and the tree's strength was learned apart from the passage it
+    last ran in."""
     tiers = tier_ladder([[0], [1], [0, 0]], 4, 2, torch.device("cpu"))
-    controller = TierController(tiers, AdaptiveConfig(explore_every=10**6, window_warmup=0, probe_rows=0))
-    chain2 = controller.names.index("chain2")
-    controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 1.2] + [10.0] * (len(tiers) - 2)
-    controller.ratio[4][chain2] = 1.5
-    controller.accepted[1], controller.accepted[chain2] = 0.9, 1.2  # 1.9 / 1.2 s against 2.2 / 1.5 s a row
-    controller.last_run.update({(4, i): 0 for i in range(len(tiers))})  # none due for a re-run
-    assert controller.choose(4, 4, 4) == 1
-    controller.timed_drafting(4, 1, 1.2, 1.9)
-    controller.timed_plain(4, 2.4)  # the plain step after it took 1.4 s more: 1.9 tokens in 2.6 s
-    assert controller.choose(4, 4, 4) == chain2
+    controller = TierController(tiers, AdaptiveConfig(explore_every=10**6, window_warmup=0))
+    controller.plain_cost[4], controller.ratio[4] = 1.0, [1.0, 1.2, 1.4, 1.5]
+    tree = controller.names.index("tree4")
+    strength = {1: 0.5, 2: 0.8, tree: 1.2}  # accepted tokens a row at the easy passage's difficulty
+
+    def run(steps: int, difficulty: float) -> list[int]:
+        chosen = []
+        for _ in range(steps):
+            index = controller.choose(4, 10, 10)
+            chosen.append(index)
+            controller.observe(index, rows_accepting(strength[index] * difficulty))
+        return chosen
+
+    run(60, 1.0)  # the probes, then the tree
+    assert run(20, 1.0)[-1] == tree
+    assert set(run(200, 0.3)[-50:]) == {1}  # hard: 10 + 10 * 0.15 a row in 1.2 s beats 10 + 10 * 0.36 in 1.5
+    assert run(200, 1.0)[-1] == tree
+    assert controller.expected(tree) == pytest.approx(1.2, rel=0.1)
 
 
 def test_every_tier_runs_on_a_few_rows_before_the_tiers_are_ranked():

@@ -410,6 +410,7 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
         adaptive=args.adaptive[0][1],
         invariant=args.invariant,
         stream_interval=args.stream_interval,
+        compile_tiers=tuple(t for t in args.compile_tiers.split(",") if t),
     )
     if args.shape:
         engine = random_engine(SHAPES[args.shape], torch.device(args.device), args.max_batch_size, args.draft, serving)
@@ -467,6 +468,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--concurrency", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument(
+        "--compile-tiers",
+        default="",
+        help="drafting tiers whose steps run compiled in buckets of up to 4 rows, comma-separated (CUDA)",
+    )
     p.add_argument("--temperatures", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.0,))
     p.add_argument("--min-requests", type=int, default=MIN_REQUESTS)
     p.add_argument("--requests-per-client", type=int, default=REQUESTS_PER_CLIENT)

@@ -20,14 +20,18 @@ the bucket's speed.
 Which drafting tier: for a step of B drafting rows in batch bucket b, tier t is worth (B + sum of the rows'
 expected accepted tokens under t) / cost[b][t]. A bucket's cost is its plain step's time, kept current from
 every plain step, times each tier's ratio to it: measured when the bucket is first used (the graphs are
-captured then anyway) and kept current from the steps that run. Expected acceptance is each tier's running
-mean of accepted tokens per drafting row, and no tier is ranked before every tier has run on a few rows:
-the first drafting windows probe them in turn (a tree's acceptance is not predictable from a chain's), and a
-window with a probing step in it is not measured, so that the probes' one-time cost does not count against
-drafting. Every tier within reach is re-run now and then so that its estimate stays current. The plain step
-right after a drafting step is queued behind no other and catches the drafter up on every accepted token:
-what it costs past a plain step counts as the drafting step's. A tier that has run in a bucket is credited
-at most the tokens a row a second it delivered there (that time included), whatever the estimate says.
+captured then anyway) and kept current from the steps that run. A tier's expected acceptance is its strength
+times the text's current difficulty. Acceptance follows the text (a list is easy, a poem hard), and most
+steps run one tier: a running mean kept per tier would hold the incumbent's last few steps against the other
+tiers' estimates from whenever they last ran, so a tier that stopped in a hard passage stayed valued at that
+passage. So the difficulty, one for all tiers, is a fast running mean of each step's acceptance over its
+tier's strength, and a tier's strength a slow mean of its acceptance over the difficulty of the moment. No
+tier is ranked before every tier has run on a few rows: the first drafting windows probe them in turn (a
+tree's acceptance is not predictable from a chain's), and a window with a probing step in it is not
+measured, so that the probes' one-time cost does not count against drafting. Every tier within reach is
+re-run now and then so that its strength stays current. The plain step right after a drafting step is
+queued behind no other and catches the drafter up on every accepted token: what it costs past a plain step
+counts as the drafting step's.
 """
 
 from __future__ import annotations
@@ -62,7 +66,11 @@ class AdaptiveConfig:
     # "adaptive"; "off": plain steps only; "full": the largest tier always (a static engine's tree); or a
     # tier's name: always that tier.
     policy: str = "adaptive"
-    acceptance_weight: float = 0.05  # weight of a step's acceptance in the running means
+    # Weights of a step's acceptance in the difficulty (fast: the text changes within a reply) and, at the
+    # least, in its tier's strength (slow; a tier's first rows weigh 1 / rows, so that rarely run tiers
+    # average every run they had).
+    acceptance_weight: float = 0.05
+    strength_weight: float = 0.01
     # Drafting rows each tier runs before tiers are ranked (its first rows' plain mean is its estimate, so
     # that one unlucky step does not rule a tier out for good).
     probe_rows: int = 8
@@ -113,6 +121,9 @@ class RequestAcceptance:
             self.paused_until, self.steps = step + cfg.request_pause, 0
 
 
+# The difficulty's floor: a run of rejected drafts must not make the next accepted token count without bound
+# toward a tier's strength.
+MIN_DIFFICULTY = 0.05
 HISTORY_WINDOWS = 1024  # closed windows kept for observability (TierController.history)
 
 
@@ -136,15 +147,15 @@ class TierController:
     config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     plain_cost: dict[int, float] = field(default_factory=dict)  # bucket -> seconds a plain step
     ratio: dict[int, list[float]] = field(default_factory=dict)  # bucket -> each tier's cost / plain's
-    accepted: list[float | None] = field(default_factory=list)  # per tier: mean accepted tokens a drafting row
+    # Per tier: accepted tokens a drafting row at difficulty 1 (None before it has run).
+    accepted: list[float | None] = field(default_factory=list)
+    difficulty: float = 1.0  # the current text's acceptance over the tiers' strengths
     steps: int = 0
     last_run: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, tier) -> step it last ran
     chosen: dict[int, int] = field(default_factory=dict)  # tier index -> steps it ran (observability)
     rows_seen: dict[int, int] = field(default_factory=dict)  # tier index -> drafting rows it has run
     current: int = 0  # the tier of the last step
-    # The last drafting step's (bucket, tier, seconds, tokens a row), not counted yet.
-    held: tuple[int, int, float, float] | None = None
-    realized: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, tier) -> tokens a row a second
+    held: tuple[int, int, float] | None = None  # the last drafting step's (bucket, tier, seconds), not counted yet
     window: Window | None = None  # the window the steps run in
     opened: dict[int, int] = field(default_factory=dict)  # bucket -> windows opened
     # (bucket, drafting) -> that mode's last window_recent measured windows there
@@ -196,8 +207,8 @@ class TierController:
         return [self.plain_cost[bucket] * r for r in self.ratio[bucket]]
 
     def expected(self, index: int) -> float:
-        """Accepted tokens a drafting row is expected to gain from tier `index` (0 before it has run)."""
-        return self.accepted[index] or 0.0
+        """Accepted tokens a drafting row is expected to gain from tier `index` now (0 before it has run)."""
+        return (self.accepted[index] or 0.0) * self.difficulty
 
     def probing(self) -> int | None:
         """The tier to probe next: the one that has run on fewest rows, if that is under probe_rows."""
@@ -226,9 +237,6 @@ class TierController:
             return probe
         costs = self.costs(bucket)
         speed = [(rows + drafting * self.expected(i)) / costs[i] for i in range(len(self.tiers))]
-        for i in range(1, len(speed)):  # a tier that has run here is worth at most what it delivered
-            if (bucket, i) in self.realized:
-                speed[i] = min(speed[i], rows * self.realized[(bucket, i)])
         best = max(range(1, len(speed)), key=speed.__getitem__)  # the windows judge plain
         for i in range(1, len(speed)):  # re-run a close tier whose estimate has not been refreshed lately
             stale = self.steps - self.last_run.get((bucket, i), -self.config.explore_every)
@@ -341,24 +349,16 @@ class TierController:
             excess = 0.0
             if seconds is not None and bucket in self.ratio:
                 excess = max(0.0, seconds - self.plain_cost[bucket])
-            self._drafted(*held, excess)
+            bucket_, index, drafted = held
+            self._timed(bucket_, index, drafted + excess)
         elif seconds is not None:
             self._timed(bucket, 0, seconds)
 
-    def timed_drafting(self, bucket: int, index: int, seconds: float, tokens: float) -> None:
-        """A drafting step of tier `index` took `seconds` and emitted `tokens` tokens a row: held until the
-        step after it is read."""
-        held, self.held = self.held, (bucket, index, seconds, tokens)
+    def timed_drafting(self, bucket: int, index: int, seconds: float) -> None:
+        """A drafting step of tier `index` took `seconds`: held until the step after it is read."""
+        held, self.held = self.held, (bucket, index, seconds)
         if held is not None:  # drafting after drafting: nothing to add
-            self._drafted(*held, 0.0)
-
-    def _drafted(self, bucket: int, index: int, seconds: float, tokens: float, excess: float) -> None:
-        """A drafting step's time with `excess`: into the cost table, and its tokens a row a second into
-        the tier's record in this bucket."""
-        seconds += excess
-        self._timed(bucket, index, seconds)
-        key = (bucket, index)
-        self.realized[key] = moved(self.realized.get(key), tokens / seconds, self.config.cost_weight)
+            self._timed(*held)
 
     def _timed(self, bucket: int, index: int, seconds: float) -> None:
         """A step of tier `index` in `bucket` took `seconds`: the cost table moves toward it."""
@@ -372,11 +372,19 @@ class TierController:
             ratio[index] = moved(ratio[index], seconds / plain, w)
 
     def observe(self, index: int, accepted: list[int]) -> None:
-        """A step of tier `index` ran and its drafting rows accepted `accepted` tokens."""
+        """A step of tier `index` ran and its drafting rows accepted `accepted` tokens: the difficulty moves
+        toward the step's acceptance over the tier's strength (once the tier is past its probe), then the
+        strength toward the acceptance over the difficulty."""
         self.chosen[index] = self.chosen.get(index, 0) + 1
         self.current = index
         if not accepted or index == 0:
             return
-        rows = self.rows_seen[index] = self.rows_seen.get(index, 0) + len(accepted)
-        w = max(self.config.acceptance_weight, len(accepted) / rows)
-        self.accepted[index] = moved(self.accepted[index], sum(accepted) / len(accepted), w)
+        cfg, mean = self.config, sum(accepted) / len(accepted)
+        seen = self.rows_seen.get(index, 0)
+        strength = self.accepted[index]
+        if seen >= cfg.probe_rows and strength:
+            ratio = moved(self.difficulty, mean / strength, cfg.acceptance_weight)
+            self.difficulty = max(ratio, MIN_DIFFICULTY)
+        rows = self.rows_seen[index] = seen + len(accepted)
+        w = max(cfg.strength_weight, len(accepted) / rows)
+        self.accepted[index] = moved(strength, mean / self.difficulty, w)

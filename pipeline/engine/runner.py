@@ -174,7 +174,14 @@ class Engine:
             else:
                 assert rows is not None
                 batch_proposer = rows(blocks, serving.cache.block_size, self.max_batch_size + 1, headroom)
-                step = SpecStep(target, self.pool, batch_proposer, self.max_batch_size, limits.max_seq_len)
+                step = SpecStep(
+                    target,
+                    self.pool,
+                    batch_proposer,
+                    self.max_batch_size,
+                    limits.max_seq_len,
+                    compiled=(serving.compile_tiers, serving.compile_tier_rows),
+                )
         self.scheduler = Scheduler(
             serving, self.max_batch_size, step, self.result, self.stop_checker, None if self.batched else self._serial
         )

@@ -87,6 +87,11 @@ class SchedulerConfig:
     # CUDA 1 up to STREAM_WAKES_PER_STEP running requests, then growing with them; on a CPU see
     # CPU_STREAM_INTERVAL).
     stream_interval: int | None = None
+    # CUDA: drafting tiers (by name) whose steps run compiled like the plain tier's in buckets of at most
+    # compile_tier_rows rows: inductor fuses the small operations between the kernels (most of a one-row
+    # drafting step's kernels), at one compilation a (bucket, tier) when the engine warms up.
+    compile_tiers: tuple[str, ...] = ()
+    compile_tier_rows: int = 4
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> SchedulerConfig:
@@ -484,7 +489,7 @@ class Scheduler:
                 r.acceptance.update(n, controller.steps, controller.config)
         bucket = spec.bucket(len(inflight.rows))
         if seconds is not None and rows:
-            controller.timed_drafting(bucket, inflight.tier, seconds, sum(len(t) for t in tokens) / len(rows))
+            controller.timed_drafting(bucket, inflight.tier, seconds)
         controller.observe(inflight.tier, accepted)
         controller.emitted(bucket, sum(len(t) for t in tokens))
         self._emit(rows, tokens)

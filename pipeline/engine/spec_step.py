@@ -36,6 +36,7 @@ from pipeline.engine.model import Transformer, paged_context
 from pipeline.engine.sampling import argmax_rows
 from pipeline.engine.step import CARRY, POSITION, SEED, STATE, TABLE, TOKEN, TOP_K, BatchStep, step_mode
 from pipeline.engine.tree import Choices, TreeBuffers, build_tree, chain, chain_buffers
+from pipeline.errors import UserError
 
 # Columns of a row's draft input: how many of the tier's draft nodes the row may accept (0: a plain step
 # for this row; a host draft's length), then its host draft tokens (n-gram).
@@ -226,9 +227,26 @@ class SpecStep(BatchStep):
     """BatchStep's pool, buckets, prefill and sampling, with speculative decode steps in tiers."""
 
     def __init__(
-        self, target: Transformer, pool: BlockPool, proposer: BatchProposer, max_batch_size: int, max_seq_len: int
+        self,
+        target: Transformer,
+        pool: BlockPool,
+        proposer: BatchProposer,
+        max_batch_size: int,
+        max_seq_len: int,
+        compiled: tuple[tuple[str, ...], int] = ((), 0),
     ):
+        """compiled: (drafting tiers' names, most rows): those tiers' steps in buckets of at most that many rows
+        run compiled (CUDA), as the plain tier's always do."""
         self.proposer = proposer
+        names, most_rows = compiled
+        unknown = set(names) - {t.name for t in proposer.tiers}
+        if unknown:
+            raise UserError(
+                f"--compile-tiers {','.join(sorted(unknown))}: not this engine's tiers; it has "
+                f"{', '.join(t.name for t in proposer.tiers)}"
+            )
+        self.compiled_tiers = {i for i, t in enumerate(proposer.tiers) if t.name in names}
+        self.compiled_rows = most_rows
         self.max_nodes = max(t.num_nodes for t in proposer.tiers)
         self.max_depth = max(t.depth for t in proposer.tiers)
         self.draft_width = 1 + proposer.host_drafts
@@ -238,9 +256,10 @@ class SpecStep(BatchStep):
         self.last_length = torch.zeros_like(self.last)  # each row's cached length after the last step
         self.spec_graphs: dict[tuple[int, int, str, bool], CapturedStep] = {}
         # The plain tier runs at every load: compiled (CUDA), it costs what a plain engine's step does, so
-        # that falling back to plain steps never costs more than plain decoding. The tree tiers' graphs are
-        # captured eagerly (one compilation per bucket and tier would take minutes at load).
-        self.compiled_plain = Compiled(self._speculate, None if self.capture else False)
+        # that falling back to plain steps never costs more than plain decoding. The drafting tiers' graphs
+        # are captured eagerly (one compilation per bucket and tier would take minutes at load), but those
+        # asked for (`compiled`).
+        self.compiled = Compiled(self._speculate, None if self.capture else False)
 
     @property
     def tiers(self) -> list[Tier]:
@@ -285,7 +304,8 @@ class SpecStep(BatchStep):
             x.fill(ints, floats, drafts)
             key = (bucket, tier, mode, defer)
             if key not in self.spec_graphs:
-                run = self.compiled_plain if tier == 0 else self._speculate
+                fused = tier == 0 or (tier in self.compiled_tiers and bucket <= self.compiled_rows)
+                run = self.compiled if fused else self._speculate
                 self.spec_graphs[key] = CapturedStep(
                     lambda: run(x.ints, x.floats, x.drafts, tier, mode, defer), self.pool_handle
                 )

@@ -9,6 +9,7 @@ well above device: the host (the scheduler's loop, the clients) sets the step ti
 
   python -m pipeline.bench.probes.batch_step base paged_decode_rows=2/16 --rows 1,8,64
   python -m pipeline.bench.probes.batch_step base --device cpu --shape tiny --rows 1,4 --tokens 24   # smoke test
+  python -m pipeline.bench.probes.batch_step base --draft eagle --rows 1 --compile-tiers '' --compile-tiers dynamic64
 
 --draft eagle measures an engine with a random EAGLE drafter instead (--draft plain,eagle: both, one after the
 other): each of its tiers (--tiers) runs alone (the controller's policy set to it, no request paused for its
@@ -127,6 +128,13 @@ def main() -> None:
         help="plain, eagle (a random EAGLE drafter's tiers) or plain,eagle",
     )
     ap.add_argument("--tiers", type=lambda s: s.split(","), default=[], help="with --draft: these tiers (all)")
+    ap.add_argument(
+        "--compile-tiers",
+        action="append",
+        default=None,
+        help="with --draft: drafting tiers whose steps run compiled in buckets of up to 4 rows, comma-separated "
+        "(SchedulerConfig.compile_tiers); repeated: each set in turn, '' for none",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args()
     variants = parse_variants(ap, args.variants)
@@ -140,11 +148,14 @@ def main() -> None:
     prompt = torch.randint(shape.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     results = []
     with torch.inference_mode():
-        for name, tuning in variants.items():
+        runs = [(name, tuning, tiers) for name, tuning in variants.items() for tiers in args.compile_tiers or [""]]
+        for variant, tuning, compiled in runs:
+            name = variant + (f" compiled:{compiled}" if compiled else "")
             for kind in args.draft:
                 draft = None if kind == "plain" else kind
                 start = time.time()
-                engine = random_engine(shape, device, max(args.rows), draft, SchedulerConfig())
+                serving = SchedulerConfig(compile_tiers=tuple(t for t in compiled.split(",") if t))
+                engine = random_engine(shape, device, max(args.rows), draft, serving)
                 retune(engine, tuning)  # before any of this engine's graphs is captured
                 for rows in args.rows:  # compiles and captures the rows' bucket (every tier's: calibration)
                     served_ms(engine, prompt, rows, rows + 16)
