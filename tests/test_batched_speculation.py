@@ -668,3 +668,18 @@ def test_a_dynamic_tier_is_as_large_as_its_candidates_and_nodes_allow():
         ("dynamic6", 6, 4),
         ("dynamic29", 29, 4),  # 4 + 3 depths x 2 x 4 candidates, and the root
     ]
+
+
+def test_tier_turns_record_each_tiers_first_and_later_steps(built, plain):
+    """The tier_mix probe's controller runs the tiers in blocks and keeps each drafting step's acceptance
+    by tier and by whether the step followed another tier; outputs stay plain greedy's."""
+    from pipeline.bench.probes.tier_mix import run
+
+    engine = open_engine(built["eagle"])
+    names = engine.scheduler.controller.names
+    order = [names.index("chain1"), names.index("chain2")]
+    ids, params = mixed_requests(plain)[2]
+    turns = run(engine, [ids], order, 3, params.max_tokens)
+    assert {index for index, _ in turns.records} == set(order)
+    assert turns.records[(order[0], True)] and turns.records[(order[0], False)]
+    assert engine.generate(ids, params).token_ids == plain.generate(ids, params).token_ids

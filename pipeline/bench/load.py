@@ -410,7 +410,7 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, str, Any]:
         adaptive=args.adaptive[0][1],
         invariant=args.invariant,
         stream_interval=args.stream_interval,
-        compile_tiers=tuple(t for t in args.compile_tiers.split(",") if t),
+        compile_tiers=None if args.compile_tiers is None else tuple(t for t in args.compile_tiers.split(",") if t),
     )
     if args.shape:
         engine = random_engine(SHAPES[args.shape], torch.device(args.device), args.max_batch_size, args.draft, serving)
@@ -470,8 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument(
         "--compile-tiers",
-        default="",
-        help="drafting tiers whose steps run compiled in buckets of up to 4 rows, comma-separated (CUDA)",
+        default=None,
+        help="drafting tiers whose steps run compiled in buckets of up to 4 rows, comma-separated, '' for none "
+        "(CUDA; default: the engine's dynamic tiers)",
     )
     p.add_argument("--temperatures", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.0,))
     p.add_argument("--min-requests", type=int, default=MIN_REQUESTS)

@@ -233,12 +233,14 @@ class SpecStep(BatchStep):
         proposer: BatchProposer,
         max_batch_size: int,
         max_seq_len: int,
-        compiled: tuple[tuple[str, ...], int] = ((), 0),
+        compiled: tuple[tuple[str, ...] | None, int] = ((), 0),
     ):
-        """compiled: (drafting tiers' names, most rows): those tiers' steps in buckets of at most that many rows
-        run compiled (CUDA), as the plain tier's always do."""
+        """compiled: (drafting tiers' names, None: the dynamic ones; most rows): those tiers' steps in buckets
+        of at most that many rows run compiled (CUDA), as the plain tier's always do."""
         self.proposer = proposer
         names, most_rows = compiled
+        if names is None:
+            names = tuple(t.name for t in proposer.tiers if t.dynamic is not None)
         unknown = set(names) - {t.name for t in proposer.tiers}
         if unknown:
             raise UserError(

@@ -133,7 +133,7 @@ def main() -> None:
         action="append",
         default=None,
         help="with --draft: drafting tiers whose steps run compiled in buckets of up to 4 rows, comma-separated "
-        "(SchedulerConfig.compile_tiers); repeated: each set in turn, '' for none",
+        "(SchedulerConfig.compile_tiers); repeated: each set in turn, '' for none (default: none)",
     )
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args()

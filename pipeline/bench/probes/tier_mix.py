@@ -21,6 +21,7 @@ from pipeline.engine.adaptive import AdaptiveConfig, TierController
 from pipeline.engine.loader import open_engine
 from pipeline.engine.runner import Engine
 from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.scheduler import SchedulerConfig
 
 IGNORE_END = -1
 
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path, default=None, help="a JSON file for the table")
     args = p.parse_args(argv)
 
-    engine = open_engine(args.engine, device=args.device)  # one bucket's graphs, captured on first use
+    # One request at a time: one batch bucket, so that a CUDA engine warms up that bucket's graphs alone.
+    engine = open_engine(args.engine, device=args.device, serving=SchedulerConfig(max_batch_size=1))
     names = engine.scheduler.controller.names if engine.scheduler.controller else []
     chosen = args.tiers.split(",") if args.tiers else names[1:]
     unknown = [n for n in chosen if n not in names]
