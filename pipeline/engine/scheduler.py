@@ -89,8 +89,9 @@ class SchedulerConfig:
     stream_interval: int | None = None
     # CUDA: drafting tiers (by name) whose steps run compiled like the plain tier's in buckets of at most
     # compile_tier_rows rows: inductor fuses the small operations between the kernels (most of a one-row
-    # drafting step's kernels), at one compilation a (bucket, tier) when the engine warms up. None: the
-    # engine's dynamic tiers (EAGLE-2/3's own trees, which run most steps at low load).
+    # drafting step's kernels), at one compilation a (bucket, tier, greedy or sampled) when the engine warms
+    # up; steps with top-k or top-p stay uncompiled. None: the engine's dynamic tiers (EAGLE-2/3's own trees,
+    # which run most steps at low load).
     compile_tiers: tuple[str, ...] | None = None
     compile_tier_rows: int = 4
 

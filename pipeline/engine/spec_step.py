@@ -139,6 +139,8 @@ class Tier:
         return replace(cls.build(f"dynamic{num_nodes}", size, device), dynamic=dynamic)
 
 
+# Sampling modes (step.step_mode) the engine's warm-up captures: greedy, and sampled without top-k or top-p.
+WARMED_MODES = ("greedy", "sampled")
 # Node counts of the tree tiers (root included), when the proposer's choices and max_nodes allow them.
 TREE_TIER_NODES = (8, 16, 32, 64)
 
@@ -306,7 +308,11 @@ class SpecStep(BatchStep):
             x.fill(ints, floats, drafts)
             key = (bucket, tier, mode, defer)
             if key not in self.spec_graphs:
-                fused = tier == 0 or (tier in self.compiled_tiers and bucket <= self.compiled_rows)
+                # Drafting tiers compile in the modes the engine's warm-up runs, so that a first top-k or top-p
+                # request does not wait for a compilation.
+                fused = tier == 0 or (
+                    tier in self.compiled_tiers and bucket <= self.compiled_rows and mode in WARMED_MODES
+                )
                 run = self.compiled if fused else self._speculate
                 self.spec_graphs[key] = CapturedStep(
                     lambda: run(x.ints, x.floats, x.drafts, tier, mode, defer), self.pool_handle
