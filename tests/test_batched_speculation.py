@@ -119,13 +119,12 @@ def test_a_tier_the_engine_lacks_is_refused_at_load_naming_its_tiers(built):
 
 
 def test_an_engines_own_trees_are_the_tiers_compiled_by_default(built):
-    """EAGLE-2/3's dynamic tiers run most steps at low load: they are the ones compiled unless told (CUDA)."""
+    """EAGLE-2/3's dynamic tiers run most steps at low load: they are the ones compiled unless told (CUDA;
+    the CPU runs every step eagerly)."""
     spec = open_engine(built["eagle3-dynamic"]).scheduler.spec
     assert spec is not None
     assert [spec.tiers[i].name for i in spec.compiled_tiers] == [t.name for t in spec.tiers if t.dynamic is not None]
     assert spec.compiled_tiers and spec.compiled_rows == SchedulerConfig().compile_tier_rows
-    chosen = open_engine(built["eagle3-dynamic"], serving=SchedulerConfig(compile_tiers=("chain1",))).scheduler.spec
-    assert chosen is not None and [chosen.tiers[i].name for i in chosen.compiled_tiers] == ["chain1"]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
