@@ -43,32 +43,35 @@ def test_roofline_suite_reports_the_floor_the_trees_and_a_profile(tmp_path, caps
     assert "plain decode profiled:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("interleave", [None, True])  # the CPU's default (one method after another), CUDA's
-def test_smollm2_suite_matches_plain_for_every_method(tmp_path, interleave):
+# The CPU's default (one method after another) with a drafted method; CUDA's interleaving with the n-gram
+# method alone, which needs no draft converted (the suite runs whole each time).
+@pytest.mark.parametrize("interleave,methods", [(None, ("plain", "eagle3-deep", "ngram")), (True, ("plain", "ngram"))])
+def test_smollm2_suite_matches_plain_for_every_method(tmp_path, interleave, methods):
     cfg = BenchConfig(
         device="cpu",
         suites=("smollm2",),
         output=tmp_path / "out",
         drafts=ROOT / "drafts",
         work_dir=tmp_path / "work",
-        methods=("plain", "eagle3-deep", "ngram"),
+        methods=methods,
         num_prompts=2,
         hf_prompts=1,
         max_tokens=8,
         profile_tokens=4,
         interleave=interleave,
     )
-    methods = json.loads(run_bench(cfg).read_text())["smollm2"]["methods"]
-    assert set(methods) == {"plain", "eagle3-deep", "ngram", "hf-generate", "hf-prompt-lookup"}
-    plain = methods["plain"]["outputs"]
+    results = json.loads(run_bench(cfg).read_text())["smollm2"]["methods"]
+    assert set(results) == {*methods, "hf-generate", "hf-prompt-lookup"}
+    plain = results["plain"]["outputs"]
     assert len(plain) == 2 and all(len(o) == 8 for o in plain)
-    assert methods["ngram"]["interleaved_with"] == (["plain", "eagle3-deep"] if interleave else [])
-    for name, r in methods.items():
+    assert results["ngram"]["interleaved_with"] == (list(methods[:-1]) if interleave else [])
+    for name, r in results.items():
         assert r["exact_match_rate"] == 1.0, name  # greedy speculation and the HF peers: the same 8 tokens
-    assert methods["eagle3-deep"]["acceptance_length"] >= 1.0
-    assert methods["eagle3-deep"]["profile"]["tokens"] == 4
-    timed = methods["eagle3-deep"]["request_s"]  # per prompt, so that runs compare on the same prompts
-    assert len(timed) == 2 and min(timed) > 0 and sum(timed) == pytest.approx(methods["eagle3-deep"]["seconds"])
+    timed = results["ngram"]["request_s"]  # per prompt, so that runs compare on the same prompts
+    assert len(timed) == 2 and min(timed) > 0 and sum(timed) == pytest.approx(results["ngram"]["seconds"])
+    if "eagle3-deep" in results:
+        assert results["eagle3-deep"]["acceptance_length"] >= 1.0
+        assert results["eagle3-deep"]["profile"]["tokens"] == 4
 
 
 def test_unknown_method_is_one_clear_error():
