@@ -349,8 +349,8 @@ class TierController:
             excess = 0.0
             if seconds is not None and bucket in self.ratio:
                 excess = max(0.0, seconds - self.plain_cost[bucket])
-            bucket_, index, drafted = held
-            self._timed(bucket_, index, drafted + excess)
+            drafted_bucket, index, drafted = held
+            self._timed(drafted_bucket, index, drafted + excess)
         elif seconds is not None:
             self._timed(bucket, 0, seconds)
 

@@ -180,7 +180,8 @@ class Engine:
                     batch_proposer,
                     self.max_batch_size,
                     limits.max_seq_len,
-                    compiled=(serving.compile_tiers, serving.compile_tier_rows),
+                    compile_tiers=serving.compile_tiers,
+                    compile_rows=serving.compile_tier_rows,
                 )
         self.scheduler = Scheduler(
             serving, self.max_batch_size, step, self.result, self.stop_checker, None if self.batched else self._serial

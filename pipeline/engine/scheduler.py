@@ -490,7 +490,7 @@ class Scheduler:
                 accepted.append(n)
                 r.acceptance.update(n, controller.steps, controller.config)
         bucket = spec.bucket(len(inflight.rows))
-        if seconds is not None and rows:
+        if seconds is not None:
             controller.timed_drafting(bucket, inflight.tier, seconds)
         controller.observe(inflight.tier, accepted)
         controller.emitted(bucket, sum(len(t) for t in tokens))

@@ -235,12 +235,13 @@ class SpecStep(BatchStep):
         proposer: BatchProposer,
         max_batch_size: int,
         max_seq_len: int,
-        compiled: tuple[tuple[str, ...] | None, int] = ((), 0),
+        compile_tiers: tuple[str, ...] | None = (),
+        compile_rows: int = 0,
     ):
-        """compiled: (drafting tiers' names, None: the dynamic ones; most rows): those tiers' steps in buckets
-        of at most that many rows run compiled (CUDA), as the plain tier's always do."""
+        """compile_tiers (None: the dynamic ones): drafting tiers whose steps in buckets of at most compile_rows
+        rows run compiled (CUDA), as the plain tier's always do."""
         self.proposer = proposer
-        names, most_rows = compiled
+        names = compile_tiers
         if names is None:
             names = tuple(t.name for t in proposer.tiers if t.dynamic is not None)
         unknown = set(names) - {t.name for t in proposer.tiers}
@@ -250,7 +251,7 @@ class SpecStep(BatchStep):
                 f"{', '.join(t.name for t in proposer.tiers)}"
             )
         self.compiled_tiers = {i for i, t in enumerate(proposer.tiers) if t.name in names}
-        self.compiled_rows = most_rows
+        self.compiled_rows = compile_rows
         self.max_nodes = max(t.num_nodes for t in proposer.tiers)
         self.max_depth = max(t.depth for t in proposer.tiers)
         self.draft_width = 1 + proposer.host_drafts
@@ -262,7 +263,7 @@ class SpecStep(BatchStep):
         # The plain tier runs at every load: compiled (CUDA), it costs what a plain engine's step does, so
         # that falling back to plain steps never costs more than plain decoding. The drafting tiers' graphs
         # are captured eagerly (one compilation per bucket and tier would take minutes at load), but those
-        # asked for (`compiled`).
+        # asked for (`compile_tiers`).
         self.compiled = Compiled(self._speculate, None if self.capture else False)
 
     @property
