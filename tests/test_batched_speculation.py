@@ -692,3 +692,21 @@ def test_tier_turns_record_each_tiers_first_and_later_steps(built, plain):
     assert {index for index, _ in turns.records} == set(order)
     assert turns.records[(order[0], True)] and turns.records[(order[0], False)]
     assert engine.generate(ids, params).token_ids == plain.generate(ids, params).token_ids
+
+
+def test_eval_acceptance_measures_the_engines_own_tree_in_every_step(built, tmp_path, capsys):
+    """The draft's acceptance, not the load controller's choices: every decode step drafts with the engine's
+    largest tier (a request's last step may have nothing left to draft), on prompts given as token ids."""
+    from pipeline.cli import main
+
+    ids, report = tmp_path / "ids.json", tmp_path / "report.json"
+    ids.write_text(json.dumps([[1, 5, 9, 5, 9, 5], [3, 4, 5, 6, 7, 8, 9, 10, 11]]))
+    argv = ["eval-acceptance", "--engine", str(built["eagle"]), "--prompt-ids", str(ids), "--max-tokens", "12"]
+    assert main([*argv, "--report", str(report)]) == 0
+    got = json.loads(report.read_text())
+    assert got["prompts"] == 2 and got["tier"] == "full" and got["generated_tokens"] == 24
+    assert got["drafted_per_depth"][0] >= got["steps"] - got["prompts"] > 0
+    assert len(got["per_depth_acceptance"]) >= 2  # a tree deeper than one token
+    ids.write_text(json.dumps([[1, 2], []]))
+    assert main(argv) == 2
+    assert "--prompt-ids" in capsys.readouterr().err

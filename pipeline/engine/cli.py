@@ -6,10 +6,16 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.engine.sampling import RequestError, SamplingParams
 from pipeline.engine.stats import SpecStats
 from pipeline.errors import UserError
+
+if TYPE_CHECKING:
+    from pipeline.engine.scheduler import SchedulerConfig
+
+NEVER_PAUSE = -1.0  # a request_cutoff no running mean of accepted tokens falls below
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +36,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("eval-acceptance", help="acceptance length of a speculative engine on a prompt set")
     e.add_argument("--engine", required=True, type=Path)
     e.add_argument("--prompts", type=Path, default=None, help="JSONL (default: MT-bench first turns)")
+    e.add_argument(
+        "--prompt-ids",
+        type=Path,
+        default=None,
+        help="instead: a JSON list of prompts' token ids, used as they are (e.g. the held-out ShareGPT split, "
+        "bench/inputs/sharegpt-held-out-smollm2-chat-ids.json)",
+    )
+    e.add_argument(
+        "--tier", default="full", help="the tier every step drafts with (default full: the engine's own tree)"
+    )
     e.add_argument("--num-prompts", type=int, default=80)
     e.add_argument("--max-tokens", type=int, default=256)
     e.add_argument("--device", default="cpu")
@@ -46,10 +62,24 @@ def prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
     return tokenizer(chat_text(tokenizer, text) if chat else text).input_ids
 
 
-def _load(engine_dir: Path, device: str):
+def _load(engine_dir: Path, device: str, serving: SchedulerConfig | None = None):
     from pipeline.engine.loader import open_engine
 
-    return open_engine(engine_dir, device=device)
+    return open_engine(engine_dir, device=device, serving=serving)
+
+
+def _prompt_id_lists(path: Path, limit: int) -> list[list[int]]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"--prompt-ids {path}: cannot read a JSON list of token-id lists ({exc})") from None
+    if (
+        not isinstance(data, list)
+        or not data
+        or not all(isinstance(row, list) and row and all(isinstance(t, int) for t in row) for row in data)
+    ):
+        raise UserError(f"--prompt-ids {path}: needs a non-empty JSON list of non-empty token-id lists")
+    return data[:limit]
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -86,16 +116,27 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def eval_acceptance(args: argparse.Namespace) -> int:
+    """Acceptance of the engine's drafts: every step drafts with one tier (the engine's own tree unless --tier),
+    no request paused for low acceptance, so the number is the draft's and not the load controller's."""
     from tqdm import tqdm
 
     from pipeline.bench.prompts import load_prompts
+    from pipeline.engine.adaptive import AdaptiveConfig
+    from pipeline.engine.scheduler import SchedulerConfig
 
-    engine = _load(args.engine, args.device)
-    prompts = load_prompts(args.prompts, args.num_prompts)
+    if args.prompts is not None and args.prompt_ids is not None:
+        raise UserError("give --prompts or --prompt-ids, not both")
+    ids_given = None if args.prompt_ids is None else _prompt_id_lists(args.prompt_ids, args.num_prompts)
+    texts = load_prompts(args.prompts, args.num_prompts) if ids_given is None else []
+    serving = SchedulerConfig(speculation=args.tier, adaptive=AdaptiveConfig(request_cutoff=NEVER_PAUSE))
+    engine = _load(args.engine, args.device, serving)
+    if engine.spec.mode == "none":
+        raise UserError(f"--engine {args.engine}: a plain engine drafts nothing; give a speculative engine")
+    chat = bool(getattr(engine.tokenizer, "chat_template", None))
+    prompts = ids_given or [prompt_ids(engine.tokenizer, text, chat=chat) for text in texts]
     params = SamplingParams(max_tokens=args.max_tokens, end_id=-1)
     per_prompt, generated, seconds = [], 0, 0.0
-    for text in tqdm(prompts, desc=f"eval-acceptance {engine.spec.mode}", unit="prompt"):
-        ids = prompt_ids(engine.tokenizer, text, chat=bool(getattr(engine.tokenizer, "chat_template", None)))
+    for ids in tqdm(prompts, desc=f"eval-acceptance {engine.spec.mode}", unit="prompt"):
         start = time.perf_counter()
         result = engine.generate(ids, params)
         seconds += time.perf_counter() - start
@@ -105,6 +146,8 @@ def eval_acceptance(args: argparse.Namespace) -> int:
     report = {
         "engine": str(args.engine),
         "mode": engine.spec.mode,
+        "tier": args.tier,
+        "prompt_source": str(args.prompt_ids or args.prompts or "MT-bench first turns"),
         "device": args.device,
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,
