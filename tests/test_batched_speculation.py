@@ -657,7 +657,7 @@ def test_the_load_bench_sends_poisson_arrivals_with_at_most_c_in_flight():
         return load.Timing(0.0, [0.0] * (params.max_tokens - 1), 0.05, params.max_tokens)
 
     for rate in (1000.0, 20.0):  # arrivals faster than requests end, then about as fast
-        size = load.LevelSize(per_client=4, request_rate=rate)
+        size = load.LevelSize(per_client=4, minimum=8, request_rate=rate)
         most[0] = 0
         row = load.run_level(client, [[1, 2]], 2, SamplingParams(max_tokens=4, end_id=-1), size)
         assert row["requests"] == 8 and row["request_rate"] == rate and not row["errors"]

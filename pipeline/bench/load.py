@@ -56,7 +56,9 @@ from pipeline.errors import USER_ERROR_EXIT_CODE, UserError
 IGNORE_END = -1
 CUDA_LEVELS = (1, 2, 4, 8, 16, 32, 64)
 CPU_LEVELS = (1, 4, 16)
-MIN_REQUESTS = 8
+# A level's requests at least: a fresh batch bucket's first windows take turns between plain and drafting
+# (adaptive.AdaptiveConfig: 7 windows of 32 steps), which must be a small share of a low-concurrency level.
+MIN_REQUESTS = 32
 REQUESTS_PER_CLIENT = 8
 BANDWIDTH_BYTES = 1 << 31
 BANDWIDTH_REPEATS = 20
