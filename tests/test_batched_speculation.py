@@ -710,3 +710,6 @@ def test_eval_acceptance_measures_the_engines_own_tree_in_every_step(built, tmp_
     ids.write_text(json.dumps([[1, 2], []]))
     assert main(argv) == 2
     assert "--prompt-ids" in capsys.readouterr().err
+    ids.write_text(json.dumps([[1, 2], [10**9]]))  # a token outside the vocabulary: one message, no traceback
+    assert main(argv) == 2
+    assert "prompt 1 of" in capsys.readouterr().err

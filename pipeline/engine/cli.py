@@ -136,9 +136,12 @@ def eval_acceptance(args: argparse.Namespace) -> int:
     prompts = ids_given or [prompt_ids(engine.tokenizer, text, chat=chat) for text in texts]
     params = SamplingParams(max_tokens=args.max_tokens, end_id=-1)
     per_prompt, generated, seconds = [], 0, 0.0
-    for ids in tqdm(prompts, desc=f"eval-acceptance {engine.spec.mode}", unit="prompt"):
+    for i, ids in enumerate(tqdm(prompts, desc=f"eval-acceptance {engine.spec.mode}", unit="prompt")):
         start = time.perf_counter()
-        result = engine.generate(ids, params)
+        try:
+            result = engine.generate(ids, params)
+        except RequestError as exc:  # e.g. a token id outside the vocabulary, a prompt over the input limit
+            raise UserError(f"prompt {i} of {args.prompt_ids or args.prompts or 'MT-bench'}: {exc}") from None
         seconds += time.perf_counter() - start
         generated += len(result.token_ids)
         per_prompt.append(result.stats)
