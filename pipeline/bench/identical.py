@@ -12,13 +12,13 @@ Runs at concurrency C submit C requests at a time and wait for all of them. Writ
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.bench.prompts import load_prompt_ids
 from pipeline.bench.speed import device_tag, environment, save_json
 from pipeline.engine.loader import open_engine
 from pipeline.engine.runner import Engine
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--output", type=Path, default=Path("bench"))
     args = p.parse_args(argv)
-    prompts = json.loads(args.prompt_ids.read_text())[: args.num_prompts]
+    prompts = load_prompt_ids(args.prompt_ids, args.num_prompts)
     levels = [int(c) for c in args.concurrency.split(",")]
     serving = SchedulerConfig(
         max_batch_size=args.max_batch_size, invariant=args.invariant, speculation=args.speculation

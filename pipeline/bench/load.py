@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from pipeline.bench.probes.variants import BASE, HELP, format_variant, parse_fields, parse_variant
-from pipeline.bench.prompts import load_prompts
+from pipeline.bench.prompts import load_prompt_ids, load_prompts
 from pipeline.bench.speed import SEED, SHAPES, _IdsOnly, device_tag, environment, random_model, save_json
 from pipeline.engine.adaptive import AdaptiveConfig, TierController
 from pipeline.engine.config import DynamicTreeConfig, EngineLimits, SpecConfig
@@ -583,7 +583,7 @@ def run(args: argparse.Namespace) -> Path:
     engine, label, tokenizer = load_engine(args)
     label = (args.label or label) + ("-invariant" if args.invariant else "")
     if args.prompt_ids is not None:
-        prompts = json.loads(args.prompt_ids.read_text())[: args.num_prompts]
+        prompts = load_prompt_ids(args.prompt_ids, args.num_prompts)
     else:
         from pipeline.engine.cli import prompt_ids
 

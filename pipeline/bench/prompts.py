@@ -52,6 +52,20 @@ def load_prompts(path: Path | None, limit: int) -> list[str]:
     return prompts
 
 
+def load_prompt_ids(path: Path, limit: int) -> list[list[int]]:
+    """The first `limit` prompts of a JSON list of token-id lists (`--prompt-ids`: used as they are)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"--prompt-ids {path}: cannot read a JSON list of token-id lists ({exc})") from None
+    rows_ok = isinstance(data, list) and all(
+        isinstance(row, list) and row and all(isinstance(t, int) for t in row) for row in data
+    )
+    if not rows_ok or not data:
+        raise UserError(f"--prompt-ids {path}: needs a non-empty JSON list of non-empty token-id lists")
+    return data[:limit]
+
+
 def chat_text(tokenizer: Any, prompt: str) -> str:
     """One user turn through the tokenizer's chat template, ready for `tokenizer(text).input_ids`;
     the prompt itself when the tokenizer has no template."""

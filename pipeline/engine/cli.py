@@ -68,20 +68,6 @@ def _load(engine_dir: Path, device: str, serving: SchedulerConfig | None = None)
     return open_engine(engine_dir, device=device, serving=serving)
 
 
-def _prompt_id_lists(path: Path, limit: int) -> list[list[int]]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"--prompt-ids {path}: cannot read a JSON list of token-id lists ({exc})") from None
-    if (
-        not isinstance(data, list)
-        or not data
-        or not all(isinstance(row, list) and row and all(isinstance(t, int) for t in row) for row in data)
-    ):
-        raise UserError(f"--prompt-ids {path}: needs a non-empty JSON list of non-empty token-id lists")
-    return data[:limit]
-
-
 def generate(args: argparse.Namespace) -> int:
     engine = _load(args.engine, args.device)
     ids = prompt_ids(engine.tokenizer, args.prompt, args.chat)
@@ -120,13 +106,14 @@ def eval_acceptance(args: argparse.Namespace) -> int:
     no request paused for low acceptance, so the number is the draft's and not the load controller's."""
     from tqdm import tqdm
 
-    from pipeline.bench.prompts import load_prompts
+    from pipeline.bench.prompts import load_prompt_ids, load_prompts
     from pipeline.engine.adaptive import AdaptiveConfig
     from pipeline.engine.scheduler import SchedulerConfig
 
     if args.prompts is not None and args.prompt_ids is not None:
         raise UserError("give --prompts or --prompt-ids, not both")
-    ids_given = None if args.prompt_ids is None else _prompt_id_lists(args.prompt_ids, args.num_prompts)
+    ids_given = None if args.prompt_ids is None else load_prompt_ids(args.prompt_ids, args.num_prompts)
+    source = str(args.prompt_ids or args.prompts or "MT-bench first turns")
     texts = load_prompts(args.prompts, args.num_prompts) if ids_given is None else []
     serving = SchedulerConfig(speculation=args.tier, adaptive=AdaptiveConfig(request_cutoff=NEVER_PAUSE))
     engine = _load(args.engine, args.device, serving)
@@ -141,7 +128,7 @@ def eval_acceptance(args: argparse.Namespace) -> int:
         try:
             result = engine.generate(ids, params)
         except RequestError as exc:  # e.g. a token id outside the vocabulary, a prompt over the input limit
-            raise UserError(f"prompt {i} of {args.prompt_ids or args.prompts or 'MT-bench'}: {exc}") from None
+            raise UserError(f"prompt {i} of {source}: {exc}") from None
         seconds += time.perf_counter() - start
         generated += len(result.token_ids)
         per_prompt.append(result.stats)
@@ -150,7 +137,7 @@ def eval_acceptance(args: argparse.Namespace) -> int:
         "engine": str(args.engine),
         "mode": engine.spec.mode,
         "tier": args.tier,
-        "prompt_source": str(args.prompt_ids or args.prompts or "MT-bench first turns"),
+        "prompt_source": source,
         "device": args.device,
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,

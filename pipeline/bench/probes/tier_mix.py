@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pipeline.bench.prompts import load_prompt_ids
 from pipeline.bench.speed import environment
 from pipeline.engine.adaptive import AdaptiveConfig, TierController
 from pipeline.engine.loader import open_engine
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--tiers {','.join(unknown)}: not this engine's; it has {', '.join(names[1:])}")
     order = [names.index(n) for n in chosen]
-    prompts = json.loads(args.prompt_ids.read_text())[: args.prompts]
+    prompts = load_prompt_ids(args.prompt_ids, args.prompts)
     engine.generate(prompts[0], SamplingParams(max_tokens=8, end_id=IGNORE_END))  # first-use costs
 
     def mean(xs: list[float] | None) -> float | None:
